@@ -1,0 +1,88 @@
+"""Every use of a private torch API, in one place.
+
+Each helper names the private symbol it wraps and the torch versions it was
+checked on. If a future torch release moves one of these, this is the only
+file that changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# Checked on torch 2.6 - 2.13.
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+
+
+def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Point ``dtensor`` at a new local tensor without changing its metadata.
+
+    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.13). Used to keep sharded
+    parameters as views of one group buffer after ``nn.Module._apply`` or
+    ``load_state_dict(assign=True)`` replaced their local tensors.
+    """
+    dtensor._local_tensor = local
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The local tensor of ``dtensor`` itself (no autograd, no alias).
+
+    ``DTensor.to_local()`` is public but goes through an autograd function and
+    costs tens of microseconds; hooks read this on every step.
+    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.13).
+    """
+    return dtensor._local_tensor
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current autograd backward pass finishes.
+
+    Wraps ``Variable._execution_engine.queue_callback`` (torch 1.x - 2.13);
+    must be called from inside a backward pass (e.g. a tensor hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is executing a backward pass on this thread.
+
+    Wraps ``torch._C._current_graph_task_id`` (torch 2.0 - 2.13). Used to tell
+    an activation-checkpointing recompute (forward inside backward) apart from
+    a real forward.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Write ``torch.chunk(t, num_chunks)`` of every tensor, rank-major, into ``out``.
+
+    ``out`` has shape ``(num_chunks, sum of padded chunk numels)``; chunk ``r``
+    of every tensor lands in row ``r`` with zero padding. One kernel for the
+    whole reduce-scatter copy-in. Wraps ``torch._chunk_cat`` (torch 2.4 - 2.13).
+    """
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Batched ``dst[i].copy_(src[i])``; wraps ``torch._foreach_copy_`` (2.1 - 2.13)."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_add(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Batched ``dst[i].add_(src[i])``; wraps ``torch._foreach_add_`` (2.0 - 2.13)."""
+    torch._foreach_add_(dst, src)
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf of a nested container."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a nested container, in flatten order."""
+    leaves, _ = tree_flatten(tree)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]

@@ -1,0 +1,92 @@
+"""Batched collectives of one parameter group, with their copy-in and copy-out.
+
+[Note: Copies around the collectives]
+All-gather input: the group's flat sharded buffer *is* the input (sharded
+parameters are views of it), so there is no copy-in.
+All-gather output: ``W`` rank-major blocks, each the concatenation of every
+parameter's padded shard. A group of one parameter gathers straight into that
+parameter's padded full buffer (no copy-out); otherwise one
+``split_with_sizes_copy`` scatters the blocks into each parameter's buffer.
+Reduce-scatter input: the same rank-major layout built from the unsharded
+gradients by one ``chunk_cat`` kernel, or the gradient itself when the group
+has one evenly divisible parameter.
+
+Collectives are looked up on ``torch.distributed`` at call time so that
+users' patches, counters and profilers see every one of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._torch_compat import chunk_cat
+from .param import FSDPParam
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """All-gather ``input`` from every rank into ``output`` (rank-major)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp.RedOpType,
+) -> None:
+    """Reduce ``input`` over ranks and keep this rank's block in ``output``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=op, group=group)
+
+
+def all_gather_output(fsdp_params: list[FSDPParam], world_size: int) -> torch.Tensor:
+    """Allocate the unsharded buffers and return where the all-gather writes."""
+    buffers = [p.alloc_unsharded() for p in fsdp_params]
+    if len(buffers) == 1:
+        return buffers[0]
+    total = sum(p.padded_shard_numel for p in fsdp_params)
+    first = buffers[0]
+    return torch.empty(world_size * total, dtype=first.dtype, device=first.device)
+
+
+def copy_out(output: torch.Tensor, fsdp_params: list[FSDPParam], world_size: int) -> None:
+    """Scatter the rank-major all-gather output into each parameter's buffer."""
+    if len(fsdp_params) == 1 and output is fsdp_params[0].padded_full:
+        return
+    torch.split_with_sizes_copy(
+        output.view(world_size, -1),
+        [p.padded_shard_numel for p in fsdp_params],
+        dim=1,
+        out=[p.padded_full.view(world_size, -1) for p in fsdp_params],
+    )
+
+
+def reduce_scatter_input(
+    grads: list[torch.Tensor], fsdp_params: list[FSDPParam], world_size: int
+) -> torch.Tensor:
+    """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked)."""
+    if len(grads) == 1:
+        grad, param = grads[0], fsdp_params[0]
+        if grad.is_contiguous() and param.padded_shard_numel * world_size == param.numel:
+            return grad.view(-1)
+    total = sum(p.padded_shard_numel for p in fsdp_params)
+    flat = torch.empty((world_size, total), dtype=grads[0].dtype, device=grads[0].device)
+    chunk_cat(grads, world_size, flat)
+    return flat.view(-1)
+
+
+def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
+    """Views of this rank's unpadded gradient rows in the reduce-scatter output."""
+    views = []
+    offset = 0
+    for p in fsdp_params:
+        views.append(output[offset : offset + p.local_rows * p.row_numel].view(p.local_size))
+        offset += p.padded_shard_numel
+    return views

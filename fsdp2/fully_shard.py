@@ -1,0 +1,367 @@
+"""fully_shard(), FSDPModule, UnshardHandle and register_fsdp_forward_method."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .api import MixedPrecisionPolicy, OffloadPolicy
+from .mesh import FSDPMeshInfo, default_mesh, device_for, mesh_info_for
+from .param import FSDPParam
+from .param_group import FSDPParamGroup
+from .state import FSDPState, state_of
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+_fsdp_classes: dict[type, type] = {}
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module,
+    *,
+    mesh=None,
+    reshard_after_forward=None,
+    shard_placement_fn=None,
+    mp_policy=MixedPrecisionPolicy(),
+    offload_policy=OffloadPolicy(),
+    ignored_params=None,
+):
+    """Shard ``module``'s parameters across ``mesh`` (fully sharded data parallel).
+
+    Every parameter of ``module`` not already managed by an inner
+    ``fully_shard`` call becomes an ``nn.Parameter`` wrapping a ``DTensor``
+    that is ``Shard(0)`` over ``mesh``. The parameters form one group: before
+    the module's forward they are all-gathered in one collective, after it
+    they are freed (see ``reshard_after_forward``), in backward they are
+    gathered again and their gradients are reduce-scattered in one collective
+    to the mean over ranks, accumulated on the sharded parameters' ``.grad``.
+
+    Call it bottom-up: on each block (e.g. transformer layer), then on the
+    root. Build the optimizer afterwards, on ``model.parameters()``.
+
+    Args:
+        module: the module to shard, modified in place; a list of modules
+            forms one group.
+        mesh: the data-parallel ``DeviceMesh`` (1-D). Defaults to a mesh over
+            the whole default process group on the current accelerator or CPU.
+        reshard_after_forward: ``True`` frees the unsharded parameters after
+            forward and all-gathers again in backward; ``False`` keeps them
+            until the end of backward (more memory, one all-gather less);
+            ``None`` means ``False`` for the root module and ``True`` for the
+            others.
+        shard_placement_fn: optional ``param -> Shard | None``; only
+            ``Shard(0)`` (or ``None``) is supported yet.
+        mp_policy: mixed precision policy; only the default yet.
+        offload_policy: offload policy; only the default yet.
+        ignored_params: parameters left alone: not sharded, not moved, no
+            gradient reduction.
+
+    Returns:
+        The same module (or list), now also an instance of :class:`FSDPModule`.
+    """
+    modules = _validate_modules(module)
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError(
+            f"fully_shard: mixed precision ({mp_policy}) is not supported yet; "
+            "pass the default MixedPrecisionPolicy()"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard: {offload_policy!r} is not supported yet; pass OffloadPolicy()"
+        )
+    mesh = mesh if mesh is not None else default_mesh()
+    mesh_info = mesh_info_for(mesh)
+    _validate_reshard_after_forward(reshard_after_forward, mesh_info)
+    device = device_for(mesh)
+    ignored = set(ignored_params or ())
+    params, owners = _managed_params(modules, ignored)
+    for param in params:
+        _validate_param(param, owners[param][0], device, shard_placement_fn)
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"'{_name(owners[p][0])}': {p.dtype}" for p in params)
+        raise ValueError(
+            "fully_shard needs one dtype per group, got several: "
+            f"{listing}. Cast the module (e.g. module.float()) or shard the "
+            "differently typed submodule with its own fully_shard call first."
+        )
+    _move_buffers(modules, ignored, device)
+    group = None
+    if params:
+        fsdp_params = [
+            FSDPParam(p, owners[p], mesh_info, _name(owners[p][0])) for p in params
+        ]
+        group = FSDPParamGroup(
+            fsdp_params,
+            params,
+            modules,
+            mesh_info,
+            device,
+            reshard_after_forward=reshard_after_forward is not False,
+        )
+    FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
+    for m in modules:
+        cls = m.__class__
+        fsdp_cls = _fsdp_classes.get(cls)
+        if fsdp_cls is None:
+            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _fsdp_classes[cls] = fsdp_cls
+        m.__class__ = fsdp_cls
+    return module
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        """Block until the all-gather is done and the unsharded parameters are registered."""
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
+
+
+class FSDPModule:
+    """Mixin added to every module passed to :func:`fully_shard`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Building an instance of the swapped class (e.g. nn.Sequential slicing
+        # calls type(self)(...)) yields the original class: FSDP state is only
+        # ever attached by fully_shard.
+        orig_cls = cls.__mro__[2]
+        obj = orig_cls.__new__(orig_cls, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)
+        if state is None:
+            raise AssertionError(f"{type(self).__name__} is an FSDPModule without FSDP state")
+        return state
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters now (e.g. to prefetch before forward).
+
+        With ``async_op=True`` return an :class:`UnshardHandle`; call its
+        ``wait()`` before using the parameters. Forward waits on it too.
+        """
+        group = self._fsdp_state().param_group
+        if group is None:
+            return UnshardHandle([]) if async_op else None
+        group.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle([group])
+        group.wait_for_unshard()
+        return None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward, make the next step start clean.
+
+        Call it on the root module: it reshards every group and drops
+        in-flight gradients and per-iteration bookkeeping.
+        """
+        self._fsdp_state().reset_iter_state()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty(), .to() and friends replace local tensors: keep the
+        # sharded parameters views of the group's flat buffer afterwards.
+        self.reshard()
+        result = super()._apply(*args, **kwargs)
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.reset_sharded_params()
+        return result
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` unshard and reshard like ``forward``.
+
+    For methods that run the module's parameters outside ``forward`` (e.g.
+    ``generate``). A no-op for modules that are not FSDP modules.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    state = state_of(module)
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register")
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        new = state._pre_forward(module, args, kwargs)
+        if new is not None:
+            args, kwargs = new
+        output = method(*args, **kwargs)
+        return state._post_forward(module, args, output)
+
+    setattr(module, method_name, wrapped)
+
+
+# ---- validation ---------------------------------------------------------------
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    if not modules:
+        raise ValueError("fully_shard expects a module or a non-empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; "
+                "apply it once per module (bottom-up: blocks first, then the root)"
+            )
+    return modules
+
+
+def _validate_reshard_after_forward(value: Any, mesh_info: FSDPMeshInfo) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    size = mesh_info.shard_mesh_size
+    if isinstance(value, int):
+        if 1 < value < size and size % value == 0:
+            raise NotImplementedError(
+                f"reshard_after_forward={value} (resharding to a smaller group) is not "
+                "supported yet; pass True, False or None"
+            )
+        raise ValueError(
+            f"reshard_after_forward={value} is invalid: an int must be a divisor of the "
+            f"shard mesh size {size} other than 1 and {size}; or pass True/False/None"
+        )
+    raise ValueError(
+        f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__} "
+        f"{value!r}"
+    )
+
+
+def _name(owner: tuple[nn.Module, str]) -> str:
+    module, name = owner
+    return f"{type(module).__name__}.{name}"
+
+
+def _managed_params(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Parameters this call manages (not ignored, not in an inner group) and their owners."""
+    already_managed: set[nn.Parameter] = set()
+    managed_modules: list[nn.Module] = []
+    seen: set[nn.Module] = set()
+    roots = set(modules)
+    stack = list(reversed(modules))
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        inner = state_of(m)
+        if inner is not None and m not in roots:
+            if inner.param_group is not None:
+                already_managed.update(p.sharded_param for p in inner.param_group.fsdp_params)
+            continue
+        managed_modules.append(m)
+        stack.extend(reversed(list(m.children())))
+    params: list[nn.Parameter] = []
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    for m in managed_modules:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored or p in already_managed:
+                continue
+            if p not in owners:
+                owners[p] = []
+                params.append(p)
+            owners[p].append((m, name))
+    return params, owners
+
+
+def _validate_param(
+    param: nn.Parameter,
+    owner: tuple[nn.Module, str],
+    device: torch.device,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> None:
+    name = _name(owner)
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"Parameter '{name}' is already a DTensor (tensor parallel?); composing "
+            "fully_shard with tensor parallelism is not supported yet"
+        )
+    if param.dim() == 0:
+        raise ValueError(
+            f"Parameter '{name}' is a scalar (0-dim); FSDP shards on dim 0. Reshape it to "
+            "shape (1,) or pass it in ignored_params"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"Parameter '{name}' is not contiguous (shape {tuple(param.shape)}, stride "
+            f"{param.stride()}); make it contiguous before fully_shard, e.g. "
+            "module.<name> = nn.Parameter(module.<name>.contiguous())"
+        )
+    if not param.is_meta and param.device.type != device.type and param.device.type != "cpu":
+        raise ValueError(
+            f"Parameter '{name}' is on {param.device} but the mesh's device is {device}; "
+            "move the module to the mesh's device first"
+        )
+    if param.device.type == "cpu" and device.type != "cpu":
+        pass  # moved to the device while sharding, like upstream
+    if shard_placement_fn is not None:
+        placement = shard_placement_fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {placement} for '{name}'; only Shard(0) is "
+                "supported yet"
+            )
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], ignored: set, device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta and buf.device != device:
+                    sub._buffers[name] = buf.to(device)

@@ -1,0 +1,252 @@
+"""FSDPParamGroup: unshard, reshard and reduce the parameters of one fully_shard call.
+
+A group owns one flat buffer holding every parameter's padded shard (see
+[Note: Sharded parameter storage] in param.py); that buffer is the all-gather
+input. Each use of the group costs one all-gather and, in backward, one
+reduce-scatter (see [Note: Copies around the collectives]).
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import collectives
+from .mesh import FSDPMeshInfo
+from ._torch_compat import local_tensor
+from .param import FSDPParam
+
+logger = logging.getLogger("fsdp2.param_group")
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between uses
+    FORWARD = auto()  # inside the forward of one of the group's modules
+    PRE_BACKWARD = auto()  # unsharded for backward, gradients being computed
+    POST_BACKWARD = auto()  # gradients reduced (for this use)
+
+
+class IterContext:
+    """Per-root state shared by all groups under it for one iteration."""
+
+    def __init__(self) -> None:
+        self.post_forward_order: list[FSDPParamGroup] = []
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call, gathered and reduced together."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        sources: list[nn.Parameter],
+        modules: tuple[nn.Module, ...],
+        mesh_info: FSDPMeshInfo,
+        device: torch.device,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.device = device
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.training_state = TrainingState.IDLE
+        self.module_fqn = ""
+        self.ctx = IterContext()
+        self._post_forward_indices: list[int] = []
+        self._pending_unshard: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._is_unsharded = False
+        self._offsets = []
+        offset = 0
+        for p in fsdp_params:
+            self._offsets.append(offset)
+            offset += p.padded_shard_numel
+        self._total_shard_numel = offset
+        on_meta = any(src.is_meta for src in sources)
+        buffer_device = torch.device("meta") if on_meta else device
+        self._sharded_flat = torch.zeros(offset, dtype=sources[0].dtype, device=buffer_device)
+        for i, (p, src) in enumerate(zip(fsdp_params, sources)):
+            p.bind_sharded(self._slot(i), src if on_meta else src.to(buffer_device))
+
+    # ---- buffers ------------------------------------------------------------
+
+    def _slot(self, index: int) -> torch.Tensor:
+        start = self._offsets[index]
+        return self._sharded_flat[start : start + self.fsdp_params[index].padded_shard_numel]
+
+    def reset_sharded_params(self) -> None:
+        """Re-establish the sharded parameters as views of the flat buffer.
+
+        ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``) and
+        ``load_state_dict(assign=True)`` give parameters new local tensors;
+        their values are copied back into a (possibly new) flat buffer.
+        """
+        for p in self.fsdp_params:
+            p.adopt_registered()
+        first = local_tensor(self.fsdp_params[0].sharded_param)
+        if self._sharded_flat.device != first.device or self._sharded_flat.dtype != first.dtype:
+            self._sharded_flat = torch.zeros(
+                self._total_shard_numel, dtype=first.dtype, device=first.device
+            )
+        for i, p in enumerate(self.fsdp_params):
+            p.rebind_sharded(self._slot(i))
+
+    @property
+    def sharded_flat(self) -> torch.Tensor:
+        return self._sharded_flat
+
+    def check_materialized(self) -> None:
+        """Fail clearly if any parameter is still on ``meta``."""
+        for p in self.fsdp_params:
+            if p.sharded_param.is_meta:
+                raise RuntimeError(
+                    f"Parameter '{p.fqn}' is still on the meta device. Materialize the "
+                    "model before the first forward: model.to_empty(device=...) and then "
+                    "initialize it (e.g. reset_parameters() or load_state_dict())."
+                )
+
+    # ---- unshard / reshard --------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._is_unsharded
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the group's parameters; no-op if unsharded or in flight."""
+        if self._is_unsharded or self._pending_unshard is not None:
+            return
+        world_size = self.mesh_info.shard_mesh_size
+        output = collectives.all_gather_output(self.fsdp_params, world_size)
+        work = collectives.all_gather(
+            output, self._sharded_flat, self.mesh_info.shard_process_group, async_op
+        )
+        self._pending_unshard = (work, output)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish an in-flight all-gather and register the unsharded parameters."""
+        if self._pending_unshard is None:
+            return
+        work, output = self._pending_unshard
+        self._pending_unshard = None
+        if work is not None:
+            work.wait()
+        collectives.copy_out(output, self.fsdp_params, self.mesh_info.shard_mesh_size)
+        for p in self.fsdp_params:
+            p.to_unsharded()
+        self._is_unsharded = True
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded storage."""
+        if self._pending_unshard is not None:
+            work, _ = self._pending_unshard
+            self._pending_unshard = None
+            if work is not None:
+                work.wait()
+            for p in self.fsdp_params:
+                p.free_unsharded()
+        if not self._is_unsharded:
+            return
+        for p in self.fsdp_params:
+            p.to_sharded()
+        self._is_unsharded = False
+
+    # ---- hooks ----------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        logger.debug("pre_forward %s", self.module_fqn)
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+
+    def post_forward(self) -> None:
+        logger.debug("post_forward %s", self.module_fqn)
+        grad_enabled = torch.is_grad_enabled()
+        # Without autograd no backward will need the parameters: always free.
+        if self.reshard_after_forward or not grad_enabled:
+            self.reshard()
+        if grad_enabled:
+            order = self.ctx.post_forward_order
+            self._post_forward_indices.append(len(order))
+            order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return  # another output of the same use already triggered it
+        logger.debug("pre_backward %s", self.module_fqn)
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+        self._prefetch_previous()
+
+    def _prefetch_previous(self) -> None:
+        # Backward runs groups in reverse forward order: start the all-gather
+        # of the group that ran just before this use so it overlaps compute.
+        if not self._post_forward_indices:
+            return
+        index = self._post_forward_indices.pop()
+        if index == 0:
+            return
+        target = self.ctx.post_forward_order[index - 1]
+        if target is not self:
+            target.unshard(async_op=True)
+
+    def post_backward(self) -> None:
+        """Reshard and reduce-scatter the gradients of this use of the group."""
+        logger.debug("post_backward %s", self.module_fqn)
+        self.training_state = TrainingState.POST_BACKWARD
+        with_grad: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for p in self.fsdp_params:
+            grad = p.take_unsharded_grad()
+            if grad is not None:
+                with_grad.append(p)
+                grads.append(grad)
+        if self.reshard_after_backward:
+            self.reshard()
+        if grads:
+            self._reduce_scatter(with_grad, grads)
+
+    def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        world_size = self.mesh_info.shard_mesh_size
+        with torch.no_grad():
+            rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
+            rs_output = rs_input.new_empty(rs_input.numel() // world_size)
+            collectives.reduce_scatter(
+                rs_output, rs_input, self.mesh_info.shard_process_group, dist.ReduceOp.AVG
+            )
+            for p, local in zip(
+                fsdp_params, collectives.split_sharded_grads(rs_output, fsdp_params)
+            ):
+                p.accumulate_sharded_grad(local)
+
+    def finish_iteration(self) -> None:
+        """End-of-backward cleanup: reduce what is left, reshard, reset state."""
+        if (
+            self.training_state != TrainingState.POST_BACKWARD
+            or self._is_unsharded
+            or self._pending_unshard is not None
+        ):
+            self.post_backward()
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self._post_forward_indices.clear()
+
+    def reset_iter_state(self) -> None:
+        """Drop every per-iteration trace after a failed forward or backward."""
+        self.reshard()
+        for p in self.fsdp_params:
+            p.take_unsharded_grad()
+        self.training_state = TrainingState.IDLE
+        self._post_forward_indices.clear()
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroup({self.module_fqn or '<root>'}, {len(self.fsdp_params)} params)"
+
