@@ -37,6 +37,17 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``template``'s mesh, placements, shape and stride around ``local``.
+
+    ``DTensor.from_local`` does the same through an autograd function and a
+    spec rebuild (tens of microseconds); gradients are built every step.
+    Wraps ``DTensor(local, spec, requires_grad=...)`` and ``DTensor._spec``
+    (torch 2.4 - 2.13).
+    """
+    return DTensor(local, template._spec, requires_grad=False)
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current autograd backward pass finishes.
 

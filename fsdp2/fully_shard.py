@@ -110,12 +110,12 @@ def fully_shard(
     _validate_reshard_after_forward(reshard_after_forward, mesh_info)
     device = device_for(mesh)
     ignored = set(ignored_params or ())
-    params, owners = _managed_params(modules, ignored)
+    params, owners, names = _managed_params(modules, ignored)
     for param in params:
-        _validate_param(param, owners[param][0], device, shard_placement_fn)
+        _validate_param(param, names[param], device, shard_placement_fn)
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
-        listing = ", ".join(f"'{_name(owners[p][0])}': {p.dtype}" for p in params)
+        listing = ", ".join(f"'{names[p]}': {p.dtype}" for p in params)
         raise ValueError(
             "fully_shard needs one dtype per group, got several: "
             f"{listing}. Cast the module (e.g. module.float()) or shard the "
@@ -125,7 +125,7 @@ def fully_shard(
     group = None
     if params:
         fsdp_params = [
-            FSDPParam(p, owners[p], mesh_info, _name(owners[p][0])) for p in params
+            FSDPParam(p, owners[p], mesh_info, names[p]) for p in params
         ]
         group = FSDPParamGroup(
             fsdp_params,
@@ -279,22 +279,26 @@ def _validate_reshard_after_forward(value: Any, mesh_info: FSDPMeshInfo) -> None
     )
 
 
-def _name(owner: tuple[nn.Module, str]) -> str:
-    module, name = owner
-    return f"{type(module).__name__}.{name}"
-
-
 def _managed_params(
     modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
-) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """Parameters this call manages (not ignored, not in an inner group) and their owners."""
+) -> tuple[list[nn.Parameter], dict[nn.Parameter, list[tuple[nn.Module, str]]], dict[nn.Parameter, str]]:
+    """Parameters this call manages (not ignored, not in an inner group).
+
+    Returns them in registration order, every ``(module, attribute)`` that
+    holds each (tied weights have several), and each one's name relative to
+    the module passed to ``fully_shard`` (for error messages).
+    """
     already_managed: set[nn.Parameter] = set()
-    managed_modules: list[nn.Module] = []
-    seen: set[nn.Module] = set()
     roots = set(modules)
-    stack = list(reversed(modules))
+    params: list[nn.Parameter] = []
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    names: dict[nn.Parameter, str] = {}
+    seen: set[nn.Module] = set()
+    multi = len(modules) > 1
+    stack = [(m, f"{type(m).__name__}[{i}]." if multi else "") for i, m in enumerate(modules)]
+    stack.reverse()
     while stack:
-        m = stack.pop()
+        m, prefix = stack.pop()
         if m in seen:
             continue
         seen.add(m)
@@ -303,28 +307,27 @@ def _managed_params(
             if inner.param_group is not None:
                 already_managed.update(p.sharded_param for p in inner.param_group.fsdp_params)
             continue
-        managed_modules.append(m)
-        stack.extend(reversed(list(m.children())))
-    params: list[nn.Parameter] = []
-    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-    for m in managed_modules:
         for name, p in m._parameters.items():
-            if p is None or p in ignored or p in already_managed:
+            if p is None or p in ignored:
                 continue
             if p not in owners:
                 owners[p] = []
                 params.append(p)
+                names[p] = prefix + name
             owners[p].append((m, name))
-    return params, owners
+        children = [(child, f"{prefix}{name}.") for name, child in m.named_children()]
+        stack.extend(reversed(children))
+    # Parameters also held by an inner group belong to it (e.g. tied weights).
+    managed = [p for p in params if p not in already_managed]
+    return managed, {p: owners[p] for p in managed}, {p: names[p] for p in managed}
 
 
 def _validate_param(
     param: nn.Parameter,
-    owner: tuple[nn.Module, str],
+    name: str,
     device: torch.device,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
 ) -> None:
-    name = _name(owner)
     if isinstance(param, DTensor):
         raise NotImplementedError(
             f"Parameter '{name}' is already a DTensor (tensor parallel?); composing "

@@ -29,8 +29,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ._torch_compat import local_tensor, set_local_tensor
+from ._torch_compat import dtensor_like, local_tensor, set_local_tensor
 from .mesh import FSDPMeshInfo
+
+_MODULE_SETATTR = nn.Module.__setattr__
 
 
 class ShardedState(Enum):
@@ -202,7 +204,7 @@ class FSDPParam:
 
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.module_infos:
-            if type(module).__setattr__ is nn.Module.__setattr__:
+            if type(module).__setattr__ is _MODULE_SETATTR:
                 module._parameters[name] = param
             else:  # respect modules that intercept attribute writes
                 setattr(module, name, param)
@@ -222,14 +224,7 @@ class FSDPParam:
         """Set or add this rank's reduced gradient rows on the sharded parameter."""
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = DTensor.from_local(
-                local_grad,
-                self.mesh_info.mesh,
-                self._placements,
-                run_check=False,
-                shape=self.orig_size,
-                stride=self.orig_stride,
-            )
+            self.sharded_param.grad = dtensor_like(self.sharded_param, local_grad)
         else:
             local_tensor(existing).add_(local_grad)
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives
-from .mesh import FSDPMeshInfo
 from ._torch_compat import local_tensor
+from .mesh import FSDPMeshInfo
 from .param import FSDPParam
 
 logger = logging.getLogger("fsdp2.param_group")

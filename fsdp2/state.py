@@ -157,7 +157,7 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.post_forward()
         if torch.is_grad_enabled():
-            leaves, _ = tree_flatten(output)
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for t in leaves:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
@@ -214,13 +214,14 @@ class _PostBackward(torch.autograd.Function):
 def _register_post_backward(
     group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    leaves, spec = tree_flatten((args, kwargs))
+    flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
+    leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
     positions = [
         i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
     ]
     if not positions:
         return None
     outputs = _PostBackward.apply(group, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs):
+    for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)

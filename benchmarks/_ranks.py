@@ -1,0 +1,108 @@
+"""Run one benchmark body in forked rank processes, with a hard timeout.
+
+``launch(fn, world_size, backend="gloo")`` forks ``world_size`` processes
+that each set ``torch.set_num_threads(1)``, join a real gloo group (or, with
+``backend="fake"``, one process joins torch's fake process group of
+``world_size`` ranks, where collectives are no-ops), run
+``fn(rank, world_size, *args)`` and send its (picklable) result back through
+a pipe. Any failure or timeout kills every rank and raises ``RankFailure``
+with the ranks' tracebacks, so a benchmark never hangs the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or ran past the timeout."""
+
+
+def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if backend == "fake":
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        else:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        payload = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every error goes back to the parent
+        status, payload = "error", traceback.format_exc()
+    try:
+        conn.send((status, payload))
+        conn.close()
+    finally:
+        os._exit(0 if status == "ok" else 1)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank; the list of per-rank results."""
+    ctx = mp.get_context("fork")
+    nprocs = 1 if backend == "fake" else world_size
+    tmp = tempfile.mkdtemp(prefix="fsdp2_bench_")
+    store_path = os.path.join(tmp, "store")
+    procs, conns = [], []
+    for rank in range(nprocs):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, backend, store_path, args, send),
+            daemon=True,
+        )
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < nprocs:
+            pending = [r for r in range(nprocs) if r not in results]
+            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=1.0)
+            for r in pending:
+                if conns[r] in ready:
+                    try:
+                        results[r] = conns[r].recv()
+                    except EOFError:
+                        results[r] = ("error", f"died with exit code {procs[r].exitcode}")
+            failed = [r for r, (s, _) in results.items() if s != "ok"]
+            if failed:
+                time.sleep(0.5)  # let the other ranks report their own errors
+                break
+            if time.monotonic() > deadline:
+                raise RankFailure(f"{fn.__name__} timed out after {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        for path in (store_path, tmp):
+            try:
+                os.remove(path) if path == store_path else os.rmdir(path)
+            except OSError:
+                pass
+    errors = [f"rank {r}: {payload}" for r, (s, payload) in sorted(results.items()) if s != "ok"]
+    if errors or len(results) < nprocs:
+        raise RankFailure(f"{fn.__name__} failed:\n" + "\n".join(errors or ["rank missing"]))
+    return [results[r][1] for r in range(nprocs)]

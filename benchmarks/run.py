@@ -1,0 +1,154 @@
+"""fsdp2 vs torch.distributed.fsdp.fully_shard (and DDP), side by side, in one launch.
+
+    python benchmarks/run.py            # everything, ~5-8 minutes on 2 CPU cores
+    python benchmarks/run.py --quick    # smaller model, fewer repetitions: ~1 minute
+    python benchmarks/run.py --profile  # also cProfile fsdp2 in the W=1 hook benchmark
+
+Prints one markdown table (medians, ratios fsdp2 / torch, DDP or unsharded
+reference, target), writes benchmarks/out/results.json (rows, raw samples,
+configuration) and benchmarks/out/results.png (the ratios). Every multi-rank
+part runs in forked gloo processes (``torch.set_num_threads(1)`` each) with a
+timeout; see the module docstrings of bench_*.py and instruments.py for what
+each number measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _ranks import launch  # noqa: E402
+from bench_bytes import bytes_body  # noqa: E402
+from bench_hooks import hooks_body  # noqa: E402
+from bench_step import step_body  # noqa: E402
+from model import BENCH_SHAPE, model_source  # noqa: E402
+from report import markdown, write_json, write_png  # noqa: E402
+from summary import NOTES, build_rows, profile_text  # noqa: E402
+
+FULL = {
+    "shape": BENCH_SHAPE,
+    "batch": 1,
+    "seq": 64,
+    "warmup": 2,
+    "steps": 24,
+    "optim_reps": 15,
+    "hook_layers": 128,
+    "hook_reps": 100,
+    "timeout": 420,
+}
+QUICK = {
+    "shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
+    "batch": 1,
+    "seq": 32,
+    "warmup": 1,
+    "steps": 4,
+    "optim_reps": 3,
+    "hook_layers": 64,
+    "hook_reps": 15,
+    "timeout": 120,
+}
+WORLD_SIZE = 2
+FAKE_WORLD_SIZE = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="~1 minute smoke run")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile fsdp2 in the W=1 hook benchmark, print top self times",
+    )
+    parser.add_argument("--out", default=os.path.join(HERE, "out"), help="output folder")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    torch.set_num_threads(1)
+    import fsdp2  # noqa: F401  - imported once here, inherited by every forked rank
+
+    started = time.monotonic()
+    raw: dict = {
+        "config": cfg,
+        "model": model_source(),
+        "world_size": WORLD_SIZE,
+        "torch": torch.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+    stages = [
+        ("step", lambda: launch(step_body, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+        (
+            "hooks_w1",
+            lambda: launch(
+                hooks_body,
+                1,
+                cfg["hook_layers"],
+                cfg["hook_reps"],
+                args.profile,
+                timeout=cfg["timeout"],
+            )[0],
+        ),
+        (
+            "hooks_fake",
+            lambda: launch(
+                hooks_body,
+                FAKE_WORLD_SIZE,
+                cfg["hook_layers"],
+                cfg["hook_reps"],
+                False,
+                backend="fake",
+                timeout=cfg["timeout"],
+            )[0],
+        ),
+        ("bytes", lambda: launch(bytes_body, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+    ]
+    for name, stage in stages:
+        t0 = time.monotonic()
+        print(f"[{time.monotonic() - started:6.1f}s] {name} ...", flush=True)
+        try:
+            raw[name] = stage()
+        except Exception as exc:  # noqa: BLE001 - report the failure, run the rest
+            raw[name] = {"error": str(exc)}
+            print(f"  FAILED: {exc}", file=sys.stderr, flush=True)
+        raw[name + "_seconds"] = time.monotonic() - t0
+    raw["seconds"] = time.monotonic() - started
+
+    rows = build_rows(raw)
+    title = (
+        f"{'quick' if args.quick else 'full'} run, W={WORLD_SIZE} gloo ranks, "
+        f"{raw['model']}, torch {torch.__version__}"
+    )
+    print()
+    print(f"fsdp2 vs torch fully_shard ({title}); medians unless noted")
+    print()
+    print(markdown(rows))
+    paired = [
+        f"{r['name'].split(' (')[0]}: {r['paired_ratio']:.3f}" for r in rows if "paired_ratio" in r
+    ]
+    print()
+    print(NOTES)
+    if paired:
+        print("- paired step-time ratios: " + "; ".join(paired))
+    print(
+        f"- machine load average at start: {raw['load_average_at_start'][0]:.1f} "
+        f"({os.cpu_count()} CPUs)"
+    )
+    if args.profile and "profile" in raw.get("hooks_w1", {}):
+        print()
+        print(profile_text(raw["hooks_w1"]))
+    write_json(os.path.join(args.out, "results.json"), {"rows": rows, "raw": raw})
+    print()
+    print(f"wrote {os.path.join(args.out, 'results.json')}")
+    print(write_png(os.path.join(args.out, "results.png"), rows, title))
+    print(f"total {raw['seconds']:.0f} s")
+    failed = [name for name, _ in stages if "error" in raw[name]]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""From raw per-stage results to table rows, with the analytic models.
+
+Analytic values, per rank, fp32, W ranks, sizes padded on dim 0 to a multiple
+of W; P = all parameters, R = the root's own group (embedding, final norm,
+head), B_i = block i:
+
+* communicated (logical bytes: all-gather output + reduce-scatter input):
+  every group is all-gathered in forward, blocks again in backward when
+  ``reshard_after_forward=True`` (the root never is: it stays unsharded), and
+  every group is reduce-scattered once: ``3 sum(B_i) + 2 R`` (about 3P) with
+  resharding, ``2P`` without. DDP: one all-reduce of P.
+* peak live: sharded params P/W + sharded grads P/W + AdamW state 2P/W +
+  unsharded groups (R + the two largest blocks: the one computing and the one
+  prefetched; all of P without resharding) + activations A, where A is the
+  unsharded model's peak of bytes that are not parameters, gradients or
+  optimizer state, at the same per-rank batch.
+"""
+
+from __future__ import annotations
+
+from common import median
+from report import MB, ratio_row, row
+
+
+def _step_rows(raw: dict) -> list[dict]:
+    rows = []
+    for key, label in (
+        ("step_raf", "reshard_after_forward=True"),
+        ("step_noraf", "reshard_after_forward=False"),
+    ):
+        s = raw.get("step", {}).get(key)
+        if not s:
+            continue
+        t = {n: 1e3 * median(v) for n, v in s["times"].items()}
+        rows.append(ratio_row(f"step time, {label} (ms)", t["fsdp2"], t["torch"], t.get("ddp")))
+        # Steps ran back to back, so per-step ratios cancel slow drifts of the machine.
+        paired = [a / b for a, b in zip(s["times"]["fsdp2"], s["times"]["torch"])]
+        rows[-1]["paired_ratio"] = median(paired)
+        d = s["loss_diff"]
+        ok = d["torch"] <= 1e-4
+        rows.append(
+            row(
+                f"max abs loss diff vs fsdp2, {label}",
+                None,
+                d["torch"],
+                d.get("ddp"),
+                "torch ~0 (<= 1e-4)",
+                ok,
+            )
+        )
+    return rows
+
+
+def _optim_rows(raw: dict) -> list[dict]:
+    o = raw.get("step", {}).get("optim")
+    if not o:
+        return []
+    opt = {n: 1e3 * median(v) for n, v in o["optim"].items()}
+    clip = {n: 1e3 * median(v) for n, v in o["clip"].items()}
+    both = {n: opt[n] + clip[n] for n in opt}
+    return [
+        ratio_row(
+            "AdamW(foreach).step on sharded params (ms)",
+            opt["fsdp2"],
+            opt["torch"],
+            opt.get("ddp"),
+            0.7,
+        ),
+        ratio_row(
+            "clip_grad_norm_ on sharded grads (ms)",
+            clip["fsdp2"],
+            clip["torch"],
+            clip.get("ddp"),
+            0.7,
+        ),
+        ratio_row(
+            "AdamW.step + clip_grad_norm_ (ms)", both["fsdp2"], both["torch"], both.get("ddp"), 0.7
+        ),
+    ]
+
+
+def _hook_rows(raw: dict) -> list[dict]:
+    rows = []
+    for key, label in (("hooks_w1", "W=1 gloo"), ("hooks_fake", "W=8 fake PG")):
+        h = raw.get(key)
+        if not h or "times" not in h:
+            continue
+        n, t = h["n_layers"], h["times"]
+        for stat, fn in (("median", median), ("min", min)):
+            per = {k: 1e6 * (fn(t[k]) - fn(t["plain"])) / n for k in ("fsdp2", "torch")}
+            rows.append(
+                ratio_row(
+                    f"hook overhead, {label}, {stat} (us/layer)",
+                    per["fsdp2"],
+                    per["torch"],
+                    None,
+                    0.5,
+                )
+            )
+        plain = 1e6 * median(t["plain"]) / n
+        rows[-2]["ref"] = plain  # the unsharded model's own time per layer
+    return rows
+
+
+def _analytic(groups: dict, world_size: int, raf: bool, activations: float) -> tuple[float, float]:
+    blocks, root, total = groups["blocks"], groups["root"], groups["total"]
+    gathered = (2 * sum(blocks) if raf else sum(blocks)) + root
+    comm = gathered + total
+    unsharded = root + sum(sorted(blocks)[-2:]) if raf else total
+    memory = 4 * total / world_size + unsharded + activations
+    return comm, memory
+
+
+def _bytes_rows(raw: dict) -> list[dict]:
+    b = raw.get("bytes")
+    if not b or "groups" not in b:
+        return []
+    ws = raw["world_size"]
+    rows = []
+    copies = {
+        k: sum(b[f"counted/{k}"]["copy_bytes"].values()) for k in ("fsdp2", "torch", "ddp", "plain")
+    }
+    extra = {k: (copies[k] - copies["plain"]) / MB for k in copies}
+    rows.append(
+        ratio_row(
+            "bytes copied/step outside collectives, minus unsharded model (MB)",
+            extra["fsdp2"],
+            extra["torch"],
+            extra["ddp"],
+            0.5,
+        )
+    )
+    act = b["memory/plain"]["activations"]
+    for suffix, raf, label in (
+        ("", True, "reshard_after_forward=True"),
+        ("_noraf", False, "reshard_after_forward=False"),
+    ):
+        comm = {
+            k: sum(b[f"counted{suffix}/{k}"]["comm_bytes"].values()) / MB
+            for k in ("fsdp2", "torch")
+        }
+        want, memory = _analytic(b["groups"], ws, raf, act)
+        ddp = sum(b["counted/ddp"]["comm_bytes"].values()) / MB if raf else None
+        rows.append(
+            row(
+                f"bytes communicated/step, {label} (MB)",
+                comm["fsdp2"],
+                comm["torch"],
+                ddp,
+                f"== analytic {want / MB:.2f}",
+                abs(comm["fsdp2"] - want / MB) < 1e-6,
+            )
+        )
+        peak = {k: b[f"memory{suffix}/{k}"]["peak"] / MB for k in ("fsdp2", "torch")}
+        ddp_peak = b["memory/ddp"]["peak"] / MB if raf else None
+        ok = peak["fsdp2"] <= peak["torch"] and abs(peak["fsdp2"] / (memory / MB) - 1) <= 0.1
+        rows.append(
+            row(
+                f"peak live bytes/rank, {label} (MB)",
+                peak["fsdp2"],
+                peak["torch"],
+                ddp_peak,
+                f"<= torch, within 10% of analytic {memory / MB:.1f}",
+                ok,
+            )
+        )
+    return rows
+
+
+NOTES = """\
+- ratio = fsdp2 / torch of the two columns (lower is better); MB = 10^6 bytes; per rank.
+- DDP/ref: DDP for step time, bytes, memory and optimizer rows; for hook rows the
+  unsharded model's own forward+backward time per layer (us).
+- step time: forward + backward + AdamW(foreach).step + zero_grad, slowest rank, steps of
+  all implementations interleaved; paired ratio = median over steps of fsdp2/torch.
+- bytes copied: copy-like aten ops outside collectives (instruments.py lists them), minus the
+  same count for the unsharded model (the model's own copies).
+- bytes communicated: all-gather output + reduce-scatter input (+ all-reduce) bytes per rank;
+  analytic = 3*sum(blocks) + 2*root with resharding, 2*P without (summary.py docstring).
+- peak live: every tensor storage alive at once on a rank during one step; analytic =
+  4P/W + root + 2 largest blocks (all of P without resharding) + activations."""
+
+
+def build_rows(raw: dict) -> list[dict]:
+    rows = []
+    for make in (_step_rows, _hook_rows, _bytes_rows, _optim_rows):
+        try:
+            rows += make(raw)
+        except (KeyError, TypeError, ValueError) as exc:  # a failed stage: skip its rows
+            rows.append(row(f"{make.__name__[1:]} unavailable: {exc!r:.60}", None, None))
+    return rows
+
+
+def profile_text(hooks: dict) -> str:
+    p = hooks["profile"]
+    n = hooks["n_layers"]
+    lines = [
+        f"cProfile of fsdp2, W=1 hook benchmark ({n} layers), per iteration: "
+        f"{p['total_us_per_iter']:.0f} us self time in total",
+        "",
+        "| function | calls/iter | self us/iter | cum us/iter |",
+        "|---|---:|---:|---:|",
+    ]
+    for title, key in (("all", "top"), ("fsdp2 only", "top_fsdp2")):
+        lines.append(f"| **{title}** | | | |")
+        for r in p[key]:
+            lines.append(
+                f"| `{r['function']}` | {r['calls_per_iter']:.0f} | "
+                f"{r['self_us_per_iter']:.0f} | {r['cum_us_per_iter']:.0f} |"
+            )
+    return "\n".join(lines)

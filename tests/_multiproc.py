@@ -1,0 +1,186 @@
+"""Run a test body in ``world_size`` real processes on a gloo process group.
+
+Usage (``_body`` must be a module-level function; it is inherited through
+``fork``, so closures work too, but module-level keeps tests readable)::
+
+    def _body(rank, world_size, extra):
+        ...
+
+    def test_something():
+        run_ranks(_body, 2, extra)
+
+Every rank runs ``fn(rank, world_size, *args)`` inside an initialized default
+process group.  The return values of all ranks come back as a list (they must
+be picklable).  If any rank raises, exits non-zero or the run exceeds
+``timeout`` seconds, all ranks are killed and :class:`RankError` is raised
+with every failing rank's traceback text.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# Generous for ~2 s launches on a loaded 2-core box, short enough that a
+# deadlocking implementation cannot stall the whole suite for long.
+DEFAULT_TIMEOUT_S = float(os.environ.get("FSDP2_TEST_TIMEOUT", "90"))
+# After the first rank fails, give the others this long to report their own
+# errors before killing them (they are usually blocked in a collective).
+_GRACE_S = 1.0
+
+
+class RankError(AssertionError):
+    """One or more ranks failed (raised, crashed or timed out)."""
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    store_path: str,
+    out_dir: str,
+) -> None:
+    code = 0
+    try:
+        # Our own process group: no signal handlers or stdin from pytest.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(out_dir, f"result{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        # Only tear down on success: after an error other ranks may be stuck
+        # in a collective, and the parent kills them.
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything, incl. SystemExit
+        code = 1
+        try:
+            with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+        os._exit(code)
+
+
+_PRELOADED = False
+
+
+def _preload() -> None:
+    """Import heavy modules once in the parent so every forked rank inherits them.
+
+    ``torch._dynamo`` alone costs ~2 s to import and is pulled in lazily by
+    DTensor/FSDP code paths; importing it before forking keeps launches fast.
+    """
+    global _PRELOADED
+    if _PRELOADED:
+        return
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    _PRELOADED = True
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+    __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper
+    _preload()
+    ctx = multiprocessing.get_context("fork")
+    tmp = tempfile.mkdtemp(prefix="fsdp2_test_")
+    store_path = os.path.join(tmp, "store")
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, args, store_path, tmp),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+
+        deadline = time.monotonic() + timeout
+        first_failure: float | None = None
+        timed_out = False
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            if not alive:
+                break
+            now = time.monotonic()
+            if any(p.exitcode not in (None, 0) for p in procs) and first_failure is None:
+                first_failure = now
+            if first_failure is not None and now - first_failure > _GRACE_S:
+                break
+            if now > deadline:
+                timed_out = True
+                break
+            wait_until = deadline if first_failure is None else first_failure + _GRACE_S
+            multiprocessing.connection.wait(
+                [p.sentinel for p in alive], timeout=max(0.0, min(wait_until - now, 1.0))
+            )
+
+        killed = []
+        for rank, p in enumerate(procs):
+            if p.exitcode is None:
+                p.kill()
+                killed.append(rank)
+        for p in procs:
+            p.join(5)
+
+        messages = []
+        for rank, p in enumerate(procs):
+            err_file = os.path.join(tmp, f"error{rank}.txt")
+            if os.path.exists(err_file):
+                with open(err_file) as f:
+                    messages.append(f"--- rank {rank} raised:\n{f.read()}")
+            elif rank in killed:
+                why = "timed out" if timed_out else "killed after another rank failed"
+                messages.append(f"--- rank {rank} {why}")
+            elif p.exitcode != 0:
+                messages.append(f"--- rank {rank} exited with code {p.exitcode}")
+        if timed_out:
+            messages.insert(0, f"run_ranks timed out after {timeout:.0f} s")
+        if messages:
+            raise RankError(
+                f"{getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n"
+                + "\n".join(messages)
+            )
+
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+        shutil.rmtree(tmp, ignore_errors=True)
