@@ -60,7 +60,6 @@ class FSDPParam:
         self.orig_size = param.size()
         self.orig_stride = param.stride()
         self.dtype = param.dtype
-        self.requires_grad = param.requires_grad
         world_size = mesh_info.shard_mesh_size
         rank = mesh_info.shard_mesh_rank
         dim0 = self.orig_size[0]
@@ -104,7 +103,7 @@ class FSDPParam:
             shape=self.orig_size,
             stride=self.orig_stride,
         )
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=source.requires_grad)
         # nn.Parameter detaches, which aliases; point it back at the slot view.
         set_local_tensor(self.sharded_param, local)
         self.register(self.sharded_param)
@@ -156,7 +155,6 @@ class FSDPParam:
                 f"{new_param.placements}; expected {self._placements}"
             )
         self.sharded_param = new_param
-        self.requires_grad = new_param.requires_grad
         for module, name in self.module_infos:
             module._parameters[name] = new_param
 
@@ -181,7 +179,11 @@ class FSDPParam:
         if self.unsharded_param is None:
             alias = torch.empty(0, dtype=local.dtype, device=local.device)
             alias.set_(storage, 0, self.orig_size, self.orig_stride)
-            self.unsharded_param = nn.Parameter(alias, requires_grad=self.requires_grad)
+            self.unsharded_param = nn.Parameter(alias, requires_grad=False)
+        # Follow the sharded parameter: users may freeze or unfreeze it any time.
+        requires_grad = self.sharded_param.requires_grad
+        if self.unsharded_param.requires_grad != requires_grad:
+            self.unsharded_param.requires_grad_(requires_grad)
         return self.padded_full
 
     def free_unsharded(self) -> None:

@@ -63,6 +63,8 @@ class FSDPState:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
+        if param_group is not None:
+            _register_state_dict_hooks(param_group)
 
     # ---- lazy init ------------------------------------------------------------
 
@@ -225,3 +227,26 @@ def _register_post_backward(
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
+
+
+def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
+    """Keep ``state_dict`` / ``load_state_dict`` on the sharded parameters.
+
+    Saving or loading between forward and backward would otherwise see the
+    unsharded parameters of a group kept unsharded after forward; and
+    ``load_state_dict(assign=True)`` registers new parameter objects, which
+    must become the group's sharded parameters (views of its flat buffer)
+    before the next all-gather reads that buffer.
+    """
+
+    def to_sharded(*args: Any, **kwargs: Any) -> None:
+        group.reshard()
+
+    def adopt_loaded(*args: Any, **kwargs: Any) -> None:
+        group.reset_sharded_params()
+
+    holders = {module: None for p in group.fsdp_params for module, _ in p.module_infos}
+    for module in holders:
+        module.register_state_dict_pre_hook(to_sharded)
+        module.register_load_state_dict_pre_hook(to_sharded)
+        module.register_load_state_dict_post_hook(adopt_loaded)

@@ -6,16 +6,23 @@ functions below run inside each rank.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _impl import FSDPModule, UnshardHandle, fsdp2_only, fully_shard, register_fsdp_forward_method
 from _multiproc import run_ranks
+from checks import (
+    ATOL,
+    RTOL,
+    assert_losses_match,
+    assert_sharded,
+    count_collectives,
+    make_opts,
+    train_steps,
+)
 from models import (
     MLP,
     Transformer,
@@ -25,7 +32,6 @@ from models import (
     build_transformer,
     cpu_mesh,
     full,
-    global_mean,
     make_pair,
     mlp_batch,
     mlp_loss,
@@ -36,107 +42,7 @@ from models import (
     transformer_batch,
     transformer_loss,
 )
-from torch.distributed.tensor import DTensor, Shard
-
-RTOL, ATOL = 1e-5, 1e-6
-
-# ---------------------------------------------------------------- helpers
-
-
-def expected_local_shape(full_shape: torch.Size, rank: int, world_size: int) -> torch.Size:
-    """Rank ``rank``'s dim-0 chunk shape with torch.chunk semantics (0 rows past the end)."""
-    chunks = torch.empty(full_shape, device="meta").chunk(world_size)
-    if rank < len(chunks):
-        return chunks[rank].shape
-    return torch.Size([0, *full_shape[1:]])
-
-
-def assert_sharded(model: nn.Module, rank: int, world_size: int, where: str = "") -> None:
-    """Every registered parameter is a Shard(0) DTensor with a chunk-shaped local tensor."""
-    for name, p in model.named_parameters():
-        assert isinstance(p, DTensor), (
-            f"{where}: {name} is {type(p).__name__}, not a sharded DTensor"
-        )
-        assert isinstance(p, nn.Parameter), f"{where}: {name} is not an nn.Parameter"
-        assert tuple(p.placements) == (Shard(0),), f"{where}: {name} placements {p.placements}"
-        exp = expected_local_shape(p.shape, rank, world_size)
-        assert p.to_local().shape == exp, (
-            f"{where}: {name} local shape {p.to_local().shape} != {exp}"
-        )
-
-
-def make_opts(ref, model, lr=1e-2):
-    """AdamW for the reference and for the sharded model (built on its current parameters)."""
-    return torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(model.parameters(), lr=lr)
-
-
-def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None):
-    """Train ref on full batches and model on rank slices; return (ref losses, global losses)."""
-    ref_opt, opt = make_opts(ref, model) if opts is None else opts
-    ref_losses, losses = [], []
-    for batch in batches:
-        ref_loss = loss_fn(ref, batch)
-        ref_loss.backward()
-        loss = loss_fn(model, rank_slice(batch, rank, world_size))
-        loss.backward()
-        # AdamW hides gradient-scale errors; compare the reduced grads directly
-        assert_grads_match(ref, model, RTOL, ATOL)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-        losses.append(global_mean(loss).item())
-    return ref_losses, losses
-
-
-def assert_losses_match(ref_losses, losses):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
-
-
-_ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
-_REDUCE_SCATTERS = (
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "_reduce_scatter_base",
-    "reduce_scatter",
-)
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count public torch.distributed all-gather / reduce-scatter calls (nested calls count once)."""
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    depth = {"all_gather": 0, "reduce_scatter": 0}
-    saved = {}
-
-    def wrap(kind, name):
-        orig = getattr(dist, name)
-        saved[name] = orig
-
-        def wrapper(*args, **kwargs):
-            if depth[kind] == 0:
-                counts[kind] += 1
-            depth[kind] += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                depth[kind] -= 1
-
-        setattr(dist, name, wrapper)
-
-    for name in _ALL_GATHERS:
-        if hasattr(dist, name):
-            wrap("all_gather", name)
-    for name in _REDUCE_SCATTERS:
-        if hasattr(dist, name):
-            wrap("reduce_scatter", name)
-    try:
-        yield counts
-    finally:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)
-
+from torch.distributed.tensor import DTensor
 
 # ---------------------------------------------------------------- sharding layout
 
@@ -328,6 +234,27 @@ def _frozen_body(rank, world_size):
 def test_frozen_parameters():
     """requires_grad=False params (alone or mixed in a group) get no grad and never change."""
     run_ranks(_frozen_body, 2)
+
+
+def _freeze_later_body(rank, world_size):
+    ref, model = make_pair(lambda: build_mlp(seed=4))
+    shard_mlp(model, fully_shard, mesh=cpu_mesh())
+    batches = [mlp_batch(s, 2 * world_size) for s in range(4)]
+    ref_losses, losses = train_steps(ref, model, batches[:2], mlp_loss, rank, world_size)
+    # Freeze after fully_shard and after training started (e.g. a fine-tuning phase).
+    for m in (ref, model):
+        m.in_proj.weight.requires_grad_(False)
+    frozen = full(model.in_proj.weight.detach())
+    r2, l2 = train_steps(ref, model, batches[2:], mlp_loss, rank, world_size)
+    assert model.in_proj.weight.grad is None, "a parameter frozen after fully_shard got a grad"
+    torch.testing.assert_close(full(model.in_proj.weight.detach()), frozen, rtol=0, atol=0)
+    assert_losses_match(ref_losses + r2, losses + l2)
+    assert_params_match(ref, model, RTOL, ATOL)
+
+
+def test_requires_grad_changed_after_fully_shard():
+    """Freezing a parameter after fully_shard and training: it gets no grad, the rest keeps parity."""
+    run_ranks(_freeze_later_body, 2)
 
 
 def _ignored_body(rank, world_size):
@@ -599,74 +526,6 @@ def _all_sharded_body(rank, world_size):
 def test_params_sharded_after_forward_backward():
     """After forward+backward every param is a sharded DTensor again, for every reshard_after_forward."""
     run_ranks(_all_sharded_body, 2)
-
-
-# ---------------------------------------------------------------- state dict
-
-
-def _state_dict_body(rank, world_size):
-    for build, shard in (
-        (build_mlp, shard_mlp),
-        (lambda: build_transformer(seed=1), shard_transformer),
-    ):
-        ref, model = make_pair(build)
-        shard(model, fully_shard, mesh=cpu_mesh())
-        ref_sd = ref.state_dict()
-        sd = model.state_dict()
-        assert list(sd) == list(ref_sd), (list(sd), list(ref_sd))
-        for k, v in sd.items():
-            assert isinstance(v, DTensor), f"{k} is {type(v).__name__}"
-            assert tuple(v.placements) == (Shard(0),), k
-            assert v.shape == ref_sd[k].shape, (k, v.shape)
-            assert v.to_local().shape == expected_local_shape(v.shape, rank, world_size), (
-                k,
-                v.to_local().shape,
-            )
-        fulls = {k: v.full_tensor() for k, v in sd.items()}
-        for k, v in fulls.items():
-            torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=0)
-        # after training too (values come from the live sharded params, not a stale copy)
-        batches = (
-            [transformer_batch(0, 2 * world_size)]
-            if shard is shard_transformer
-            else [mlp_batch(0, 2 * world_size)]
-        )
-        loss_fn = transformer_loss if shard is shard_transformer else mlp_loss
-        train_steps(ref, model, batches, loss_fn, rank, world_size)
-        fulls = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(fulls[k], v, rtol=RTOL, atol=ATOL)
-
-
-def test_state_dict_is_sharded_dtensors_without_padding():
-    """state_dict has the unsharded keys, Shard(0) DTensor values, unpadded shapes, reference values."""
-    run_ranks(_state_dict_body, 3)
-
-
-def _load_state_dict_body(rank, world_size):
-    ref, model = make_pair(lambda: build_transformer(seed=2))
-    shard_transformer(model, fully_shard, mesh=cpu_mesh())
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    # scramble the live parameters
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(-3.0).add_(1.0)
-    fulls = {n: full(p.detach()) for n, p in model.named_parameters()}
-    assert not torch.equal(fulls["output.weight"], ref.output.weight.detach())
-    result = model.load_state_dict(saved)
-    assert not result.missing_keys and not result.unexpected_keys, result
-    assert_sharded(model, rank, world_size, "after load_state_dict")
-    assert_params_match(ref, model, 0, 0)
-    # the restored values are what forward actually uses
-    batches = [transformer_batch(s, 2 * world_size) for s in range(2)]
-    ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size)
-    assert_losses_match(ref_losses, losses)
-    assert_params_match(ref, model, RTOL, ATOL)
-
-
-def test_load_state_dict_restores_values():
-    """Loading a saved sharded state dict after changing params restores values used in training."""
-    run_ranks(_load_state_dict_body, 3)
 
 
 # ---------------------------------------------------------------- manual unshard / reshard

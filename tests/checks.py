@@ -1,0 +1,109 @@
+"""Assertions and training loops shared by the tests (toy models live in models.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from models import assert_grads_match, global_mean, rank_slice
+from torch.distributed.tensor import DTensor, Shard
+
+RTOL, ATOL = 1e-5, 1e-6
+
+def expected_local_shape(full_shape: torch.Size, rank: int, world_size: int) -> torch.Size:
+    """Rank ``rank``'s dim-0 chunk shape with torch.chunk semantics (0 rows past the end)."""
+    chunks = torch.empty(full_shape, device="meta").chunk(world_size)
+    if rank < len(chunks):
+        return chunks[rank].shape
+    return torch.Size([0, *full_shape[1:]])
+
+
+def assert_sharded(model: nn.Module, rank: int, world_size: int, where: str = "") -> None:
+    """Every registered parameter is a Shard(0) DTensor with a chunk-shaped local tensor."""
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), (
+            f"{where}: {name} is {type(p).__name__}, not a sharded DTensor"
+        )
+        assert isinstance(p, nn.Parameter), f"{where}: {name} is not an nn.Parameter"
+        assert tuple(p.placements) == (Shard(0),), f"{where}: {name} placements {p.placements}"
+        exp = expected_local_shape(p.shape, rank, world_size)
+        assert p.to_local().shape == exp, (
+            f"{where}: {name} local shape {p.to_local().shape} != {exp}"
+        )
+
+
+def make_opts(ref, model, lr=1e-2):
+    """AdamW for the reference and for the sharded model (built on its current parameters)."""
+    return torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None):
+    """Train ref on full batches and model on rank slices; return (ref losses, global losses)."""
+    ref_opt, opt = make_opts(ref, model) if opts is None else opts
+    ref_losses, losses = [], []
+    for batch in batches:
+        ref_loss = loss_fn(ref, batch)
+        ref_loss.backward()
+        loss = loss_fn(model, rank_slice(batch, rank, world_size))
+        loss.backward()
+        # AdamW hides gradient-scale errors; compare the reduced grads directly
+        assert_grads_match(ref, model, RTOL, ATOL)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+        losses.append(global_mean(loss).item())
+    return ref_losses, losses
+
+
+def assert_losses_match(ref_losses, losses):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+
+
+_ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+_REDUCE_SCATTERS = (
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "reduce_scatter",
+)
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count public torch.distributed all-gather / reduce-scatter calls (nested calls count once)."""
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    depth = {"all_gather": 0, "reduce_scatter": 0}
+    saved = {}
+
+    def wrap(kind, name):
+        orig = getattr(dist, name)
+        saved[name] = orig
+
+        def wrapper(*args, **kwargs):
+            if depth[kind] == 0:
+                counts[kind] += 1
+            depth[kind] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                depth[kind] -= 1
+
+        setattr(dist, name, wrapper)
+
+    for name in _ALL_GATHERS:
+        if hasattr(dist, name):
+            wrap("all_gather", name)
+    for name in _REDUCE_SCATTERS:
+        if hasattr(dist, name):
+            wrap("reduce_scatter", name)
+    try:
+        yield counts
+    finally:
+        for name, orig in saved.items():
+            setattr(dist, name, orig)
+
+
