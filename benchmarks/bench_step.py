@@ -12,9 +12,8 @@ from __future__ import annotations
 import gc
 import time
 
-import torch
 import torch.distributed as dist
-from common import FSDP_IMPLS, Trainer, max_over_ranks, rotated, timed
+from common import FSDP_IMPLS, Trainer, clip_grad_norm_of, max_over_ranks, rotated, timed
 
 
 def _interleaved_steps(trainers: dict[str, Trainer], warmup: int, steps: int) -> dict:
@@ -40,20 +39,26 @@ def _interleaved_steps(trainers: dict[str, Trainer], warmup: int, steps: int) ->
 
 
 def _optim_and_clip(trainers: dict[str, Trainer], reps: int) -> dict:
-    """Time ``optim.step()`` and ``clip_grad_norm_`` alone, on gradients left in place."""
+    """Time ``optim.step()`` and ``clip_grad_norm_`` alone, on gradients left in place.
+
+    fsdp2 runs its own fast paths (``enable_local_shard_step`` on the optimizer,
+    ``fsdp2.clip_grad_norm_``); torch and DDP the stock ``torch.optim`` /
+    ``torch.nn.utils`` ones.
+    """
     names = list(trainers)
     for tr in trainers.values():
         tr.optim.zero_grad(set_to_none=True)
         tr.forward_backward(0)
         tr.optim.step()  # optimizer state exists from here on
-        torch.nn.utils.clip_grad_norm_(tr.model.parameters(), 1.0)  # first-call caches
+        clip_grad_norm_of(tr.impl)(tr.model.parameters(), 1.0)  # first-call caches
     opt: dict[str, list[float]] = {n: [] for n in names}
     clip: dict[str, list[float]] = {n: [] for n in names}
     for i in range(reps):
         for name in rotated(names, i):
             tr = trainers[name]
             opt[name].append(timed(tr.optim.step))
-            clip[name].append(timed(torch.nn.utils.clip_grad_norm_, tr.model.parameters(), 1.0))
+            clip_fn = clip_grad_norm_of(tr.impl)
+            clip[name].append(timed(clip_fn, tr.model.parameters(), 1.0))
     return {
         "optim": {n: max_over_ranks(v) for n, v in opt.items()},
         "clip": {n: max_over_ranks(v) for n, v in clip.items()},

@@ -56,9 +56,23 @@ def wrap(model: nn.Module, impl: str, reshard_after_forward: bool = True, mesh=N
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def make_optim(model: nn.Module) -> torch.optim.Optimizer:
+def make_optim(model: nn.Module, impl: str) -> torch.optim.Optimizer:
     # foreach=True is AdamW's default on GPUs (CPU tensors default to a Python loop).
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    if impl == "fsdp2":  # fsdp2's optimizer fast path (same updates, bit for bit)
+        from fsdp2 import enable_local_shard_step
+
+        enable_local_shard_step(optim)
+    return optim
+
+
+def clip_grad_norm_of(impl: str):
+    """The grad-clipping function a user of ``impl`` calls."""
+    if impl == "fsdp2":
+        from fsdp2 import clip_grad_norm_
+
+        return clip_grad_norm_
+    return torch.nn.utils.clip_grad_norm_
 
 
 class Trainer:
@@ -70,7 +84,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         raw = build_model(seed, cfg.get("shape"))
         self.model = wrap(raw, impl, reshard_after_forward)
-        self.optim = make_optim(self.model)
+        self.optim = make_optim(self.model, impl)
 
     def data(self, i: int):
         c = self.cfg

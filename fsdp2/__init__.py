@@ -6,6 +6,7 @@ keep the rest of the training script.
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .optim import clip_grad_norm_, enable_local_shard_step
 
 __all__ = [
     "fully_shard",
@@ -15,5 +16,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "clip_grad_norm_",
+    "enable_local_shard_step",
 ]
 __version__ = "0.1.0"

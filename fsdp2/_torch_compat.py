@@ -87,6 +87,16 @@ def foreach_add(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_add_(dst, src)
 
 
+def foreach_mul(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Batched ``t.mul_(scalar)``; wraps ``torch._foreach_mul_`` (2.0 - 2.13)."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """Batched ``torch.linalg.vector_norm(t, ord)``; wraps ``torch._foreach_norm`` (2.0 - 2.13)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of a nested container."""
     leaves, spec = tree_flatten(tree)

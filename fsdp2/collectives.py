@@ -46,25 +46,29 @@ def reduce_scatter(
     fn(output, input, op=op, group=group)
 
 
-def all_gather_output(fsdp_params: list[FSDPParam], world_size: int) -> torch.Tensor:
-    """Allocate the unsharded buffers and return where the all-gather writes."""
-    buffers = [p.alloc_unsharded() for p in fsdp_params]
-    if len(buffers) == 1:
-        return buffers[0]
-    total = sum(p.padded_shard_numel for p in fsdp_params)
-    first = buffers[0]
-    return torch.empty(world_size * total, dtype=first.dtype, device=first.device)
+def all_gather_output(
+    fsdp_params: list[FSDPParam], input: torch.Tensor, world_size: int
+) -> torch.Tensor:
+    """Return where the all-gather writes: a single parameter's own full buffer, else a flat one.
+
+    With several parameters their unsharded buffers are allocated only at
+    copy-out, so a prefetched all-gather holds one group's worth of memory,
+    not two, until its consumer waits for it.
+    """
+    if len(fsdp_params) == 1:
+        return fsdp_params[0].alloc_unsharded()
+    return input.new_empty(world_size * input.numel())
 
 
 def copy_out(output: torch.Tensor, fsdp_params: list[FSDPParam], world_size: int) -> None:
     """Scatter the rank-major all-gather output into each parameter's buffer."""
-    if len(fsdp_params) == 1 and output is fsdp_params[0].padded_full:
-        return
+    if len(fsdp_params) == 1:
+        return  # gathered straight into the parameter's buffer
     torch.split_with_sizes_copy(
         output.view(world_size, -1),
         [p.padded_shard_numel for p in fsdp_params],
         dim=1,
-        out=[p.padded_full.view(world_size, -1) for p in fsdp_params],
+        out=[p.alloc_unsharded().view(world_size, -1) for p in fsdp_params],
     )
 
 

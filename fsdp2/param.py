@@ -35,6 +35,16 @@ from .mesh import FSDPMeshInfo
 _MODULE_SETATTR = nn.Module.__setattr__
 
 
+def _parameter_on(
+    like: torch.Tensor, offset: int, size: torch.Size, stride: tuple[int, ...]
+) -> nn.Parameter:
+    """A parameter viewing ``like``'s storage through ``Tensor.set_`` (own version counter)."""
+    storage = like.untyped_storage()
+    alias = torch.empty(0, dtype=like.dtype, device=like.device)
+    alias.set_(storage, offset, size, stride)
+    return nn.Parameter(alias, requires_grad=False)
+
+
 class ShardedState(Enum):
     SHARDED = auto()  # sharded DTensor parameters are registered on the modules
     UNSHARDED = auto()  # unsharded parameters are registered and hold data
@@ -72,6 +82,7 @@ class FSDPParam:
         self.sharded_param: nn.Parameter = param  # replaced by bind_sharded()
         self.padded_full: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
+        self._aliased: torch.Tensor | None = None  # the shard the unsharded param views (W=1)
         self.state = ShardedState.SHARDED
         self._placements = (Shard(0),)
 
@@ -177,14 +188,31 @@ class FSDPParam:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         if self.unsharded_param is None:
-            alias = torch.empty(0, dtype=local.dtype, device=local.device)
-            alias.set_(storage, 0, self.orig_size, self.orig_stride)
-            self.unsharded_param = nn.Parameter(alias, requires_grad=False)
+            self.unsharded_param = _parameter_on(
+                self.padded_full, 0, self.orig_size, self.orig_stride
+            )
+        self._sync_requires_grad()
+        return self.padded_full
+
+    def alias_shard(self) -> None:
+        """Shard group of one rank: the unsharded parameter views the shard itself.
+
+        The shard is then the whole parameter, so there is nothing to gather,
+        copy or free; ``padded_full`` stays ``None`` so resharding frees nothing.
+        """
+        local = local_tensor(self.sharded_param)
+        if self.unsharded_param is None or self._aliased is not local:
+            self.unsharded_param = _parameter_on(
+                local, local.storage_offset(), self.orig_size, self.orig_stride
+            )
+            self._aliased = local
+        self._sync_requires_grad()
+
+    def _sync_requires_grad(self) -> None:
         # Follow the sharded parameter: users may freeze or unfreeze it any time.
         requires_grad = self.sharded_param.requires_grad
         if self.unsharded_param.requires_grad != requires_grad:
             self.unsharded_param.requires_grad_(requires_grad)
-        return self.padded_full
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the parameter object is kept for reuse."""

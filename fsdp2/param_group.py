@@ -121,7 +121,13 @@ class FSDPParamGroup:
         if self._is_unsharded or self._pending_unshard is not None:
             return
         world_size = self.mesh_info.shard_mesh_size
-        output = collectives.all_gather_output(self.fsdp_params, world_size)
+        if world_size == 1:  # the shards are the parameters: nothing to gather
+            for p in self.fsdp_params:
+                p.alias_shard()
+                p.to_unsharded()
+            self._is_unsharded = True
+            return
+        output = collectives.all_gather_output(self.fsdp_params, self._sharded_flat, world_size)
         work = collectives.all_gather(
             output, self._sharded_flat, self.mesh_info.shard_process_group, async_op
         )
@@ -216,6 +222,10 @@ class FSDPParamGroup:
 
     def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         world_size = self.mesh_info.shard_mesh_size
+        if world_size == 1:  # the mean over one rank is the gradient itself
+            for p, grad in zip(fsdp_params, grads):
+                p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
+            return
         with torch.no_grad():
             rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
             rs_output = rs_input.new_empty(rs_input.numel() // world_size)
