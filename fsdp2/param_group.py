@@ -228,6 +228,7 @@ class FSDPParamGroup:
             return
         with torch.no_grad():
             rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
+            grads.clear()  # the unsharded gradients die here, before the collective
             rs_output = rs_input.new_empty(rs_input.numel() // world_size)
             collectives.reduce_scatter(
                 rs_output, rs_input, self.mesh_info.shard_process_group, dist.ReduceOp.AVG
