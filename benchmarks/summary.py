@@ -178,7 +178,9 @@ NOTES = """\
 - bytes communicated: all-gather output + reduce-scatter input (+ all-reduce) bytes per rank;
   analytic = 3*sum(blocks) + 2*root with resharding, 2*P without (summary.py docstring).
 - peak live: every tensor storage alive at once on a rank during one step; analytic =
-  4P/W + root + 2 largest blocks (all of P without resharding) + activations."""
+  4P/W + root + 2 largest blocks (all of P without resharding) + activations.
+- optimizer rows: the fsdp2 column uses fsdp2.enable_local_shard_step (bitwise the same
+  AdamW update) and fsdp2.clip_grad_norm_; torch and DDP the stock torch functions."""
 
 
 def build_rows(raw: dict) -> list[dict]:
