@@ -11,7 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # Checked on torch 2.6 - 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
@@ -107,3 +109,26 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a nested container, in flatten order."""
     leaves, _ = tree_flatten(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are the dims of ``meshes`` (sub-meshes of one root), in order.
+
+    Wraps ``DeviceMesh._concatenate`` (torch 2.9 - 2.13); older versions slice
+    the root mesh (``DeviceMesh._get_root_mesh``) by the dims' names.
+    """
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    if concat is not None:
+        return concat(meshes)
+    names = tuple(name for m in meshes for name in m.mesh_dim_names)
+    return meshes[0]._get_root_mesh()[names]
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """FSDP's shard of a tensor dim that tensor parallelism already split ``split_factor`` ways.
+
+    Wraps ``torch.distributed.tensor.placement_types._StridedShard`` (torch
+    2.5 - 2.13): the FSDP shard is taken within each TP shard, so
+    ``full_tensor()`` must undo TP's split first.
+    """
+    return _StridedShard(dim, split_factor=split_factor)

@@ -9,7 +9,9 @@ parameter's padded full buffer (no copy-out); otherwise one
 ``split_with_sizes_copy`` scatters the blocks into each parameter's buffer.
 Reduce-scatter input: the same rank-major layout built from the unsharded
 gradients by one ``chunk_cat`` kernel, or the gradient itself when the group
-has one evenly divisible parameter.
+has one evenly divisible parameter. Parameters sharded on a dim other than 0
+are permuted into their blocks one copy each.
+HSDP: the reduce-scatter output is then all-reduced over the replicate group.
 
 Collectives are looked up on ``torch.distributed`` at call time so that
 users' patches, counters and profilers see every one of them.
@@ -46,6 +48,11 @@ def reduce_scatter(
     fn(output, input, op=op, group=group)
 
 
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+    """Reduce ``tensor`` in place over ``group`` (HSDP's replicate dim)."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
 def all_gather_output(
     fsdp_params: list[FSDPParam], input: torch.Tensor, world_size: int
 ) -> torch.Tensor:
@@ -78,11 +85,24 @@ def reduce_scatter_input(
     """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked)."""
     if len(grads) == 1:
         grad, param = grads[0], fsdp_params[0]
-        if grad.is_contiguous() and param.padded_shard_numel * world_size == param.numel:
+        even = param.padded_shard_numel * world_size == param.numel
+        if param.shard_dim == 0 and grad.is_contiguous() and even:
             return grad.view(-1)
     total = sum(p.padded_shard_numel for p in fsdp_params)
     flat = torch.empty((world_size, total), dtype=grads[0].dtype, device=grads[0].device)
-    chunk_cat(grads, world_size, flat)
+    if all(p.shard_dim == 0 for p in fsdp_params):
+        chunk_cat(grads, world_size, flat)
+        return flat.view(-1)
+    offset = 0
+    for grad, p in zip(grads, fsdp_params):
+        block = flat[:, offset : offset + p.padded_shard_numel]
+        if p.shard_dim == 0:  # rare: dim-0 and other dims in one group
+            tmp = torch.empty_like(block)
+            chunk_cat([grad], world_size, tmp)
+            block.copy_(tmp)
+        else:
+            block.view(p.block_shape()).copy_(p.rank_blocks(grad))
+        offset += p.padded_shard_numel
     return flat.view(-1)
 
 

@@ -12,7 +12,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .api import MixedPrecisionPolicy, OffloadPolicy
-from .mesh import FSDPMeshInfo, default_mesh, device_for, mesh_info_for
+from .mesh import (
+    FSDPMeshInfo,
+    PostForwardMeshInfo,
+    default_mesh,
+    device_for,
+    mesh_info_for,
+    post_forward_mesh_info,
+    spmd_mesh_for,
+)
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .state import FSDPState, state_of
@@ -74,15 +82,21 @@ def fully_shard(
     Args:
         module: the module to shard, modified in place; a list of modules
             forms one group.
-        mesh: the data-parallel ``DeviceMesh`` (1-D). Defaults to a mesh over
-            the whole default process group on the current accelerator or CPU.
+        mesh: the data-parallel ``DeviceMesh``: 1-D (FSDP) or 2-D with named
+            ``(replicate, shard)`` dims (HSDP). Defaults to a mesh over the
+            whole default process group on the current accelerator or CPU.
+            With tensor parallelism, pass the data-parallel sub-mesh of the
+            mesh whose tp sub-mesh ``parallelize_module`` used.
         reshard_after_forward: ``True`` frees the unsharded parameters after
             forward and all-gathers again in backward; ``False`` keeps them
             until the end of backward (more memory, one all-gather less);
             ``None`` means ``False`` for the root module and ``True`` for the
-            others.
-        shard_placement_fn: optional ``param -> Shard | None``; only
-            ``Shard(0)`` (or ``None``) is supported yet.
+            others; an int ``k`` (a divisor of the shard dim's size) keeps
+            them sharded over groups of ``k`` consecutive ranks after forward
+            so the backward all-gather is over ``k`` ranks only.
+        shard_placement_fn: optional ``param -> Shard | None``: shard that
+            parameter on another dim (``None`` means ``Shard(0)``); dims other
+            than 0 must divide evenly by the shard dim's size.
         mp_policy: mixed precision policy; only the default yet.
         offload_policy: offload policy; only the default yet.
         ignored_params: parameters left alone: not sharded, not moved, no
@@ -107,12 +121,16 @@ def fully_shard(
         )
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
-    _validate_reshard_after_forward(reshard_after_forward, mesh_info)
+    reshard_after_forward, post_forward = _resolve_reshard_after_forward(
+        reshard_after_forward, mesh_info
+    )
     device = device_for(mesh)
     ignored = set(ignored_params or ())
     params, owners, names = _managed_params(modules, ignored)
-    for param in params:
-        _validate_param(param, names[param], device, shard_placement_fn)
+    shard_dims = {
+        p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
+    }
+    spmd_meshes = _spmd_meshes(params, mesh)
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         listing = ", ".join(f"'{names[p]}': {p.dtype}" for p in params)
@@ -125,7 +143,8 @@ def fully_shard(
     group = None
     if params:
         fsdp_params = [
-            FSDPParam(p, owners[p], mesh_info, names[p]) for p in params
+            FSDPParam(p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p))
+            for p in params
         ]
         group = FSDPParamGroup(
             fsdp_params,
@@ -134,6 +153,7 @@ def fully_shard(
             mesh_info,
             device,
             reshard_after_forward=reshard_after_forward is not False,
+            post_forward_mesh_info=post_forward,
         )
     FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
     for m in modules:
@@ -206,6 +226,19 @@ class FSDPModule:
         """
         self._fsdp_state().reset_iter_state()
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces gradients over the replicate dim.
+
+        Turn it off for all but the last micro-batch of gradient accumulation:
+        gradients are still reduce-scattered over the shard dim and kept aside
+        (not on ``.grad``) until the next backward that all-reduces.
+        """
+        modules = self.modules() if recurse else (self,)
+        for module in modules:
+            state = state_of(module) if isinstance(module, FSDPModule) else None
+            if state is not None and state.param_group is not None:
+                state.param_group.all_reduce_grads = requires_all_reduce
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to() and friends replace local tensors: keep the
         # sharded parameters views of the group's flat buffer afterwards.
@@ -259,19 +292,23 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
     return modules
 
 
-def _validate_reshard_after_forward(value: Any, mesh_info: FSDPMeshInfo) -> None:
+def _resolve_reshard_after_forward(
+    value: Any, mesh_info: FSDPMeshInfo
+) -> tuple[bool | None, PostForwardMeshInfo | None]:
+    """Validate ``reshard_after_forward``; an int becomes ``True`` plus its smaller group."""
     if value is None or isinstance(value, bool):
-        return
+        return value, None
     size = mesh_info.shard_mesh_size
     if isinstance(value, int):
-        if 1 < value < size and size % value == 0:
-            raise NotImplementedError(
-                f"reshard_after_forward={value} (resharding to a smaller group) is not "
-                "supported yet; pass True, False or None"
-            )
+        if value >= 1 and size % value == 0:
+            if value == 1:  # sharded over one rank: the same as keeping it unsharded
+                return False, None
+            if value == size:
+                return True, None
+            return True, post_forward_mesh_info(mesh_info, value)
         raise ValueError(
             f"reshard_after_forward={value} is invalid: an int must be a divisor of the "
-            f"shard mesh size {size} other than 1 and {size}; or pass True/False/None"
+            f"shard mesh size {size}; or pass True/False/None"
         )
     raise ValueError(
         f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__} "
@@ -322,17 +359,65 @@ def _managed_params(
     return managed, {p: owners[p] for p in managed}, {p: names[p] for p in managed}
 
 
-def _validate_param(
+def _shard_dim(
     param: nn.Parameter,
     name: str,
+    mesh_info: FSDPMeshInfo,
     device: torch.device,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> None:
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"Parameter '{name}' is already a DTensor (tensor parallel?); composing "
-            "fully_shard with tensor parallelism is not supported yet"
+) -> int:
+    """Validate ``param`` and return the tensor dim FSDP shards it on."""
+    _validate_param(param, name, device)
+    if shard_placement_fn is None:
+        return 0
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for '{name}'; it must return a "
+            "Shard(dim) or None"
         )
+    local = param.to_local() if isinstance(param, DTensor) else param
+    ndim = local.dim()
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
+        raise ValueError(
+            f"shard_placement_fn returned {placement} for '{name}' of shape "
+            f"{tuple(local.shape)}: the dim must be in [-{ndim}, {ndim})"
+        )
+    size = mesh_info.shard_mesh_size
+    if dim > 0 and local.size(dim) % size != 0:
+        raise ValueError(
+            f"shard_placement_fn returned {placement} for '{name}' of (local) shape "
+            f"{tuple(local.shape)}, but dim {dim} ({local.size(dim)}) does not divide evenly "
+            f"over the shard mesh size {size}; sharding a dim other than 0 needs even "
+            "division: pick another dim or return None (Shard(0))"
+        )
+    return dim
+
+
+def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Parameter, DeviceMesh]:
+    """The (data-parallel, tensor-parallel) mesh of each DTensor parameter."""
+    by_tp_mesh: dict[DeviceMesh, DeviceMesh] = {}
+    out = {}
+    for p in params:
+        if isinstance(p, DTensor):
+            tp_mesh = p.device_mesh
+            if tp_mesh not in by_tp_mesh:
+                by_tp_mesh[tp_mesh] = spmd_mesh_for(dp_mesh, tp_mesh)
+            out[p] = by_tp_mesh[tp_mesh]
+    return out
+
+
+def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
+    if isinstance(param, DTensor):
+        if param.device_mesh.device_type != device.type:
+            raise ValueError(
+                f"Parameter '{name}' is a DTensor on a '{param.device_mesh.device_type}' mesh "
+                f"but fully_shard's mesh is on '{device.type}'; use meshes of one device type"
+            )
+        param = param.to_local()
     if param.dim() == 0:
         raise ValueError(
             f"Parameter '{name}' is a scalar (0-dim); FSDP shards on dim 0. Reshape it to "
@@ -349,15 +434,7 @@ def _validate_param(
             f"Parameter '{name}' is on {param.device} but the mesh's device is {device}; "
             "move the module to the mesh's device first"
         )
-    if param.device.type == "cpu" and device.type != "cpu":
-        pass  # moved to the device while sharding, like upstream
-    if shard_placement_fn is not None:
-        placement = shard_placement_fn(param)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(
-                f"shard_placement_fn returned {placement} for '{name}'; only Shard(0) is "
-                "supported yet"
-            )
+    # A CPU parameter with an accelerator mesh is moved while sharding, like upstream.
 
 
 def _move_buffers(modules: tuple[nn.Module, ...], ignored: set, device: torch.device) -> None:

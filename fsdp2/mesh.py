@@ -1,4 +1,15 @@
-"""Which process group shards the parameters, and on which device."""
+"""Which process groups shard and replicate the parameters, and on which device.
+
+[Note: Meshes]
+FSDP: a 1-D mesh; its only dim shards. HSDP: a 2-D ``(replicate, shard)``
+mesh; parameters are sharded over dim 1 and replicated over dim 0, so each
+group all-gathers over its shard group and its gradients are reduce-scattered
+over the shard group and then all-reduced over the replicate group.
+``reshard_after_forward=k``: after forward each rank keeps its share over a
+group of ``k`` consecutive ranks of its shard group (the post-forward group),
+and the backward all-gather runs over that smaller group. Creating process
+groups is collective, so they are all made at ``fully_shard`` time and cached.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +19,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._torch_compat import concatenate_meshes
+
 
 @dataclass(frozen=True)
 class FSDPMeshInfo:
-    """The shard dimension of a data-parallel mesh, resolved once at init."""
+    """The shard (and, for HSDP, replicate) dims of a data-parallel mesh, resolved at init."""
 
     mesh: DeviceMesh
     shard_mesh_dim: int
     shard_process_group: dist.ProcessGroup
     shard_mesh_size: int
     shard_mesh_rank: int
+    replicate_mesh_dim: int | None = None
+    replicate_process_group: dist.ProcessGroup | None = None
+    replicate_mesh_size: int = 1
+    replicate_mesh_rank: int = 0
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_mesh_dim is not None
+
+
+@dataclass(frozen=True)
+class PostForwardMeshInfo:
+    """The smaller group a parameter stays sharded over between forward and backward."""
+
+    process_group: dist.ProcessGroup
+    size: int
+    rank: int
 
 
 def default_mesh() -> DeviceMesh:
@@ -36,25 +66,87 @@ def default_mesh() -> DeviceMesh:
 
 
 def mesh_info_for(mesh: DeviceMesh) -> FSDPMeshInfo:
-    """Validate ``mesh`` for FSDP and describe its shard dimension."""
+    """Validate ``mesh`` for FSDP (1-D) or HSDP (2-D) and describe its dims."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return FSDPMeshInfo(
+            mesh=mesh,
+            shard_mesh_dim=0,
+            shard_process_group=mesh.get_group(0),
+            shard_mesh_size=mesh.size(0),
+            shard_mesh_rank=mesh.get_local_rank(0),
+        )
     if mesh.ndim == 2:
-        raise NotImplementedError(
-            "HSDP (a 2-D (replicate, shard) mesh) is not supported yet; pass a 1-D mesh"
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"fully_shard got a 2-D mesh without dim names {mesh}; HSDP needs named dims: "
+                "init_device_mesh(device, (replicate, shard), "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
+        return FSDPMeshInfo(
+            mesh=mesh,
+            shard_mesh_dim=1,
+            shard_process_group=mesh.get_group(1),
+            shard_mesh_size=mesh.size(1),
+            shard_mesh_rank=mesh.get_local_rank(1),
+            replicate_mesh_dim=0,
+            replicate_process_group=mesh.get_group(0),
+            replicate_mesh_size=mesh.size(0),
+            replicate_mesh_rank=mesh.get_local_rank(0),
         )
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard expects a 1-D mesh (FSDP), got a {mesh.ndim}-D mesh {mesh}; "
-            "for tensor parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
-        )
-    return FSDPMeshInfo(
-        mesh=mesh,
-        shard_mesh_dim=0,
-        shard_process_group=mesh.get_group(0),
-        shard_mesh_size=mesh.size(0),
-        shard_mesh_rank=mesh.get_local_rank(0),
+    raise ValueError(
+        f"fully_shard expects a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got a "
+        f"{mesh.ndim}-D mesh {mesh}; with tensor parallelism apply parallelize_module on the "
+        "tp sub-mesh first and pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+        "mesh['replicate', 'shard']"
     )
+
+
+_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], PostForwardMeshInfo] = {}
+
+
+def post_forward_mesh_info(mesh_info: FSDPMeshInfo, size: int) -> PostForwardMeshInfo:
+    """The post-forward group of ``size`` consecutive ranks of this rank's shard group.
+
+    Only the members of each new group take part in creating it, so meshes
+    that cover part of the world (e.g. the dp sub-mesh under TP) work too.
+    """
+    shard_ranks = mesh_info.mesh.mesh.movedim(mesh_info.shard_mesh_dim, -1)
+    # This rank's row along the shard dim, as global ranks in shard-rank order.
+    rank = dist.get_rank()
+    row = next(r for r in shard_ranks.reshape(-1, mesh_info.shard_mesh_size).tolist() if rank in r)
+    start = (mesh_info.shard_mesh_rank // size) * size
+    ranks = tuple(row[start : start + size])
+    key = (ranks, size)
+    info = _POST_FORWARD_GROUPS.get(key)
+    if info is None:
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        info = PostForwardMeshInfo(group, size, mesh_info.shard_mesh_rank - start)
+        _POST_FORWARD_GROUPS[key] = info
+    return info
+
+
+def spmd_mesh_for(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of both data-parallel and tensor-parallel dims, data-parallel dims first."""
+    if dp_mesh.device_type != tp_mesh.device_type:
+        raise ValueError(
+            f"fully_shard's mesh is on '{dp_mesh.device_type}' but a parameter's DTensor mesh "
+            f"is on '{tp_mesh.device_type}'; build both from one init_device_mesh call"
+        )
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard with DTensor (tensor parallel) parameters needs named mesh dims: "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), then "
+            "parallelize_module(..., mesh['tp']) and fully_shard(..., mesh=mesh['dp'])"
+        )
+    try:
+        return concatenate_meshes([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"fully_shard's mesh {dp_mesh} and the parameters' tensor-parallel mesh {tp_mesh} "
+            f"do not come from one parent mesh with disjoint dims: {e}"
+        ) from e
 
 
 def device_for(mesh: DeviceMesh) -> torch.device:

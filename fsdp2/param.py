@@ -18,6 +18,20 @@ fresh all-gather into the buffer never trips autograd's saved-tensor check.
 Resharding frees the storage with ``untyped_storage().resize_(0)``; unsharding
 resizes it back. Tensors autograd saved from the parameter stay valid because
 they point at the same storage object.
+
+[Note: Other shard dims and tensor parallelism]
+``shard_placement_fn`` may pick ``Shard(k)`` with ``k > 0``; like upstream
+this needs ``size(k)`` to divide evenly. The shard is then still one
+contiguous block of the slot, but the all-gathered blocks are not the
+parameter's memory layout: ``padded_full`` is a staging buffer and one copy
+puts the blocks in place in the parameter's own storage; gradients are
+permuted into rank-major blocks the same way before the reduce-scatter.
+A tensor-parallel parameter arrives as a DTensor on the TP mesh; FSDP shards
+its *local* tensor exactly like a plain tensor. The sharded parameter is a
+DTensor on the (data-parallel, TP) mesh; where TP already splits the FSDP dim,
+the FSDP placement is a strided shard so ``full_tensor()`` reassembles it.
+The unsharded parameter is again a DTensor on the TP mesh, as the TP module
+expects.
 """
 
 from __future__ import annotations
@@ -27,9 +41,11 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
-from ._torch_compat import dtensor_like, local_tensor, set_local_tensor
+from ._torch_compat import dtensor_like, local_tensor, set_local_tensor, strided_shard
 from .mesh import FSDPMeshInfo
 
 _MODULE_SETATTR = nn.Module.__setattr__
@@ -48,6 +64,9 @@ def _parameter_on(
 class ShardedState(Enum):
     SHARDED = auto()  # sharded DTensor parameters are registered on the modules
     UNSHARDED = auto()  # unsharded parameters are registered and hold data
+    # sharded parameters registered; the group keeps this rank's share over the
+    # smaller post-forward group for the backward all-gather
+    SHARDED_POST_FORWARD = auto()
 
 
 class FSDPParam:
@@ -63,35 +82,68 @@ class FSDPParam:
         module_infos: list[tuple[nn.Module, str]],
         mesh_info: FSDPMeshInfo,
         fqn: str,
+        shard_dim: int = 0,
+        spmd_mesh: DeviceMesh | None = None,
     ) -> None:
         self.module_infos = module_infos
         self.mesh_info = mesh_info
         self.fqn = fqn
+        # Tensor parallel: shard the TP-local tensor, keep the TP spec for the
+        # unsharded parameter (see [Note: Other shard dims and tensor parallelism]).
+        self.tp_spec: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
+        if isinstance(param, DTensor):
+            self.tp_spec = (param.device_mesh, tuple(param.placements))
+            self.global_size, self.global_stride = param.size(), param.stride()
+            param = param.to_local()
         self.orig_size = param.size()
         self.orig_stride = param.stride()
+        if self.tp_spec is None:
+            self.global_size, self.global_stride = self.orig_size, self.orig_stride
         self.dtype = param.dtype
+        self.shard_dim = shard_dim
         world_size = mesh_info.shard_mesh_size
         rank = mesh_info.shard_mesh_rank
-        dim0 = self.orig_size[0]
-        self.row_numel = math.prod(self.orig_size[1:])
-        self.shard_rows = -(-dim0 // world_size)  # ceil: rows per rank before the end
-        self.local_rows = max(0, min(self.shard_rows, dim0 - rank * self.shard_rows))
-        self.local_size = torch.Size((self.local_rows, *self.orig_size[1:]))
+        dim_k = self.orig_size[shard_dim]
+        # "rows" are slices along the shard dim; row_numel is one slice's size
+        self.row_numel = math.prod(s for i, s in enumerate(self.orig_size) if i != shard_dim)
+        self.shard_rows = -(-dim_k // world_size)  # ceil: rows per rank before the end
+        self.local_rows = max(0, min(self.shard_rows, dim_k - rank * self.shard_rows))
+        local_size = list(self.orig_size)
+        local_size[shard_dim] = self.local_rows
+        self.local_size = torch.Size(local_size)
         self.padded_shard_numel = self.shard_rows * self.row_numel
-        self.numel = dim0 * self.row_numel
+        self.numel = dim_k * self.row_numel
         self.sharded_param: nn.Parameter = param  # replaced by bind_sharded()
         self.padded_full: torch.Tensor | None = None
+        self._unsharded_data: torch.Tensor | None = None  # own storage when shard_dim > 0
         self.unsharded_param: nn.Parameter | None = None
         self._aliased: torch.Tensor | None = None  # the shard the unsharded param views (W=1)
         self.state = ShardedState.SHARDED
-        self._placements = (Shard(0),)
+        self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
+        self._placements = self._sharded_placements()
+
+    def _sharded_placements(self) -> tuple[Placement, ...]:
+        fsdp: Placement = Shard(self.shard_dim)
+        tp_placements: tuple[Placement, ...] = ()
+        if self.tp_spec is not None:
+            tp_mesh, tp_placements = self.tp_spec
+            split = math.prod(
+                tp_mesh.size(i)
+                for i, pl in enumerate(tp_placements)
+                if isinstance(pl, Shard) and pl.dim == self.shard_dim
+            )
+            if split > 1:
+                fsdp = strided_shard(self.shard_dim, split)
+        dp = (Replicate(), fsdp) if self.mesh_info.is_hsdp else (fsdp,)
+        return dp + tp_placements
 
     # ---- sharded side -------------------------------------------------------
 
     def local_rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded rows of a full tensor of the original shape."""
-        start = min(self.mesh_info.shard_mesh_rank * self.shard_rows, self.orig_size[0])
-        return tensor.narrow(0, start, self.local_rows)
+        dim = self.shard_dim
+        start = min(self.mesh_info.shard_mesh_rank * self.shard_rows, self.orig_size[dim])
+        return tensor.narrow(dim, start, self.local_rows)
 
     def slot_view(self, slot: torch.Tensor) -> torch.Tensor:
         """The unpadded local shard as a view of this parameter's padded slot."""
@@ -103,16 +155,18 @@ class FSDPParam:
         ``source`` is the original full parameter; this rank's rows are copied
         into the slot (nothing is copied on ``meta``).
         """
+        if isinstance(source, DTensor):
+            source = source.to_local()
         local = self.slot_view(slot)
         if not local.is_meta and self.local_rows > 0:
             local.copy_(self.local_rows_of(source.detach()))
         dtensor = DTensor.from_local(
             local,
-            self.mesh_info.mesh,
+            self._spmd_mesh,
             self._placements,
             run_check=False,
-            shape=self.orig_size,
-            stride=self.orig_stride,
+            shape=self.global_size,
+            stride=self.global_stride,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=source.requires_grad)
         # nn.Parameter detaches, which aliases; point it back at the slot view.
@@ -154,10 +208,10 @@ class FSDPParam:
         self._adopt(registered)
 
     def _adopt(self, new_param: nn.Parameter) -> None:
-        if not isinstance(new_param, DTensor) or new_param.size() != self.orig_size:
+        if not isinstance(new_param, DTensor) or new_param.size() != self.global_size:
             raise ValueError(
                 f"Parameter '{self.fqn}' was replaced by a tensor that is not a sharded "
-                f"DTensor of shape {tuple(self.orig_size)}; load a sharded state dict "
+                f"DTensor of shape {tuple(self.global_size)}; load a sharded state dict "
                 "(DTensor values) or copy values in place instead"
             )
         if tuple(new_param.placements) != self._placements:
@@ -187,12 +241,70 @@ class FSDPParam:
         nbytes = numel * self.padded_full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
-        if self.unsharded_param is None:
-            self.unsharded_param = _parameter_on(
-                self.padded_full, 0, self.orig_size, self.orig_stride
-            )
-        self._sync_requires_grad()
+        if self.unsharded_param is None and self.shard_dim == 0:
+            self.unsharded_param = self._make_unsharded(self.padded_full, 0)
+        if self.unsharded_param is not None:
+            self._sync_requires_grad()
         return self.padded_full
+
+    def _make_unsharded(self, like: torch.Tensor, offset: int) -> nn.Parameter:
+        param = _parameter_on(like, offset, self.orig_size, self.orig_stride)
+        if self.tp_spec is None:
+            return param
+        tp_mesh, tp_placements = self.tp_spec
+        alias = param.data
+        dtensor = DTensor.from_local(
+            alias, tp_mesh, tp_placements, run_check=False,
+            shape=self.global_size, stride=self.global_stride,
+        )
+        param = nn.Parameter(dtensor, requires_grad=False)
+        set_local_tensor(param, alias)
+        return param
+
+    def finish_copy_out(self) -> None:
+        """Shard dim > 0: put the gathered rank-major blocks in the parameter's layout.
+
+        See [Note: Other shard dims and tensor parallelism]. Dim 0 needs
+        nothing: the parameter views the gathered buffer itself.
+        """
+        if self.shard_dim == 0:
+            return
+        staging = self.padded_full
+        if self._unsharded_data is None or self._unsharded_data.dtype != staging.dtype:
+            self._unsharded_data = torch.empty(
+                self.numel, dtype=staging.dtype, device=staging.device
+            )
+            self.unsharded_param = self._make_unsharded(self._unsharded_data, 0)
+        storage = self._unsharded_data.untyped_storage()
+        nbytes = self.numel * self._unsharded_data.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        full = self._unsharded_data.view(self.orig_size)
+        self.rank_blocks(full).copy_(staging.view(self.block_shape()))
+        staging.untyped_storage().resize_(0)  # the staging copy is no longer needed
+        self._sync_requires_grad()
+
+    def block_shape(self) -> tuple[int, ...]:
+        block = list(self.orig_size)
+        block[self.shard_dim] = self.shard_rows
+        return (self.mesh_info.shard_mesh_size, *block)
+
+    def gathered_blocks(self, start: int, stop: int) -> torch.Tensor:
+        """Rank blocks ``[start, stop)`` of the unsharded parameter, ``(stop - start, padded shard numel)``."""
+        if self.shard_dim == 0:
+            return self.padded_full.view(self.mesh_info.shard_mesh_size, -1)[start:stop]
+        full = self._unsharded_data.view(self.orig_size)
+        return self.rank_blocks(full)[start:stop].reshape(stop - start, -1)
+
+    def rank_blocks(self, full: torch.Tensor) -> torch.Tensor:
+        """A ``(W, *shard shape)`` view of a full tensor, block ``r`` being rank ``r``'s shard.
+
+        Only for shard dims > 0 (which divide evenly).
+        """
+        k, world_size = self.shard_dim, self.mesh_info.shard_mesh_size
+        size = list(self.orig_size)
+        split = size[:k] + [world_size, self.shard_rows] + size[k + 1 :]
+        return full.view(split).movedim(k, 0)
 
     def alias_shard(self) -> None:
         """Shard group of one rank: the unsharded parameter views the shard itself.
@@ -202,9 +314,7 @@ class FSDPParam:
         """
         local = local_tensor(self.sharded_param)
         if self.unsharded_param is None or self._aliased is not local:
-            self.unsharded_param = _parameter_on(
-                local, local.storage_offset(), self.orig_size, self.orig_stride
-            )
+            self.unsharded_param = self._make_unsharded(local, local.storage_offset())
             self._aliased = local
         self._sync_requires_grad()
 
@@ -218,6 +328,8 @@ class FSDPParam:
         """Release the unsharded storage; the parameter object is kept for reuse."""
         if self.padded_full is not None:
             self.padded_full.untyped_storage().resize_(0)
+        if self._unsharded_data is not None:
+            self._unsharded_data.untyped_storage().resize_(0)
 
     # ---- state transitions --------------------------------------------------
 
@@ -248,6 +360,11 @@ class FSDPParam:
             return None
         grad = param.grad
         param.grad = None
+        if self.tp_spec is not None:
+            # TP may leave e.g. a Partial gradient; reduce it over TP first.
+            if tuple(grad.placements) != self.tp_spec[1]:
+                grad = grad.redistribute(placements=self.tp_spec[1])
+            grad = local_tensor(grad)
         return grad
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:

@@ -3,7 +3,17 @@
 A group owns one flat buffer holding every parameter's padded shard (see
 [Note: Sharded parameter storage] in param.py); that buffer is the all-gather
 input. Each use of the group costs one all-gather and, in backward, one
-reduce-scatter (see [Note: Copies around the collectives]).
+reduce-scatter (see [Note: Copies around the collectives]), plus one
+all-reduce over the replicate group for HSDP.
+
+[Note: Resharding to a smaller group after forward]
+With ``reshard_after_forward=k`` the post-forward reshard keeps, instead of
+nothing, this rank's share of the gathered parameters over its post-forward
+group of ``k`` ranks (see [Note: Meshes] in mesh.py): the ``W / k``
+consecutive rank blocks ``[j * W/k, (j+1) * W/k)`` for post-forward rank
+``j``, laid out ``(W/k, group shard numel)``. Gathering those blocks over the
+``k`` ranks yields exactly the ``(W, group shard numel)`` rank-major buffer a
+full all-gather would, so copy-out is unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +27,8 @@ import torch.nn as nn
 
 from . import collectives
 from ._torch_compat import local_tensor
-from .mesh import FSDPMeshInfo
-from .param import FSDPParam
+from .mesh import FSDPMeshInfo, PostForwardMeshInfo
+from .param import FSDPParam, ShardedState
 
 logger = logging.getLogger("fsdp2.param_group")
 
@@ -48,13 +58,20 @@ class FSDPParamGroup:
         mesh_info: FSDPMeshInfo,
         device: torch.device,
         reshard_after_forward: bool,
+        post_forward_mesh_info: PostForwardMeshInfo | None = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.modules = modules
         self.mesh_info = mesh_info
         self.device = device
         self.reshard_after_forward = reshard_after_forward
+        # Set only for reshard_after_forward=int: see [Note: Resharding to a smaller group ...]
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self._post_forward_flat: torch.Tensor | None = None
         self.reshard_after_backward = True
+        # HSDP: all-reduce gradients over the replicate group (off while accumulating)
+        self.all_reduce_grads = True
+        self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
         self.training_state = TrainingState.IDLE
         self.module_fqn = ""
         self.ctx = IterContext()
@@ -128,9 +145,12 @@ class FSDPParamGroup:
             self._is_unsharded = True
             return
         output = collectives.all_gather_output(self.fsdp_params, self._sharded_flat, world_size)
-        work = collectives.all_gather(
-            output, self._sharded_flat, self.mesh_info.shard_process_group, async_op
-        )
+        if self._post_forward_flat is not None:
+            # kept (and freed) until wait_for_unshard: the collective reads it
+            input, group = self._post_forward_flat, self.post_forward_mesh_info.process_group
+        else:
+            input, group = self._sharded_flat, self.mesh_info.shard_process_group
+        work = collectives.all_gather(output, input, group, async_op)
         self._pending_unshard = (work, output)
         if not async_op:
             self.wait_for_unshard()
@@ -143,13 +163,16 @@ class FSDPParamGroup:
         self._pending_unshard = None
         if work is not None:
             work.wait()
+        self._post_forward_flat = None
         collectives.copy_out(output, self.fsdp_params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
+            p.finish_copy_out()
             p.to_unsharded()
         self._is_unsharded = True
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
+        self._post_forward_flat = None
         if self._pending_unshard is not None:
             work, _ = self._pending_unshard
             self._pending_unshard = None
@@ -163,6 +186,25 @@ class FSDPParamGroup:
             p.to_sharded()
         self._is_unsharded = False
 
+    def reshard_to_post_forward(self) -> None:
+        """Free the unsharded parameters but keep this rank's share over the smaller group.
+
+        See [Note: Resharding to a smaller group after forward].
+        """
+        self.wait_for_unshard()
+        if not self._is_unsharded:
+            return
+        info = self.post_forward_mesh_info
+        num_blocks = self.mesh_info.shard_mesh_size // info.size
+        start = info.rank * num_blocks
+        kept = torch.cat(
+            [p.gathered_blocks(start, start + num_blocks) for p in self.fsdp_params], dim=1
+        )
+        self.reshard()
+        self._post_forward_flat = kept.view(-1)
+        for p in self.fsdp_params:
+            p.state = ShardedState.SHARDED_POST_FORWARD
+
     # ---- hooks ----------------------------------------------------------------
 
     def pre_forward(self) -> None:
@@ -175,7 +217,9 @@ class FSDPParamGroup:
         logger.debug("post_forward %s", self.module_fqn)
         grad_enabled = torch.is_grad_enabled()
         # Without autograd no backward will need the parameters: always free.
-        if self.reshard_after_forward or not grad_enabled:
+        if grad_enabled and self.reshard_after_forward and self.post_forward_mesh_info:
+            self.reshard_to_post_forward()
+        elif self.reshard_after_forward or not grad_enabled:
             self.reshard()
         if grad_enabled:
             order = self.ctx.post_forward_order
@@ -222,21 +266,48 @@ class FSDPParamGroup:
 
     def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         world_size = self.mesh_info.shard_mesh_size
-        if world_size == 1:  # the mean over one rank is the gradient itself
+        hsdp = self.mesh_info.is_hsdp
+        if world_size == 1 and not hsdp:  # the mean over one rank is the gradient itself
             for p, grad in zip(fsdp_params, grads):
                 p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
             return
         with torch.no_grad():
-            rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
-            grads.clear()  # the unsharded gradients die here, before the collective
-            rs_output = rs_input.new_empty(rs_input.numel() // world_size)
-            collectives.reduce_scatter(
-                rs_output, rs_input, self.mesh_info.shard_process_group, dist.ReduceOp.AVG
-            )
-            for p, local in zip(
-                fsdp_params, collectives.split_sharded_grads(rs_output, fsdp_params)
-            ):
+            if world_size == 1:  # HSDP without sharding: only the all-reduce remains
+                output = torch.cat([g.reshape(-1) for g in grads])
+                grads.clear()
+            else:
+                rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
+                grads.clear()  # the unsharded gradients die here, before the collective
+                output = rs_input.new_empty(rs_input.numel() // world_size)
+                collectives.reduce_scatter(
+                    output, rs_input, self.mesh_info.shard_process_group, dist.ReduceOp.AVG
+                )
+            locals_ = collectives.split_sharded_grads(output, fsdp_params)
+            if hsdp and not self._all_reduce(output, fsdp_params, locals_):
+                return
+            for p, local in zip(fsdp_params, locals_):
                 p.accumulate_sharded_grad(local)
+
+    def _all_reduce(
+        self, output: torch.Tensor, fsdp_params: list[FSDPParam], locals_: list[torch.Tensor]
+    ) -> bool:
+        """HSDP: average over the replicate group; returns whether gradients are final.
+
+        With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
+        gradients are kept aside, not set on ``.grad``, and folded into the
+        next all-reduce, as upstream does.
+        """
+        if not self.all_reduce_grads:
+            for p, local in zip(fsdp_params, locals_):
+                partial = self._partial_grads.get(p)
+                self._partial_grads[p] = local if partial is None else partial.add_(local)
+            return False
+        for p, local in zip(fsdp_params, locals_):
+            partial = self._partial_grads.pop(p, None)
+            if partial is not None:
+                local.add_(partial)
+        collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
+        return True
 
     def finish_iteration(self) -> None:
         """End-of-backward cleanup: reduce what is left, reshard, reset state."""

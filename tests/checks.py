@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -107,3 +109,69 @@ def count_collectives():
             setattr(dist, name, orig)
 
 
+
+
+_RECORDED = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_reduce": ("all_reduce",),
+}
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Record ``(kind, group size)`` of every public all-gather / reduce-scatter / all-reduce."""
+    calls: list[tuple[str, int]] = []
+    depth = [0]
+    saved = {}
+
+    def wrap(kind, name):
+        orig = getattr(dist, name)
+        saved[name] = orig
+
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                calls.append((kind, dist.get_world_size(kwargs.get("group"))))
+            depth[0] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(dist, name, wrapper)
+
+    for kind, names in _RECORDED.items():
+        for name in names:
+            if hasattr(dist, name):
+                wrap(kind, name)
+    try:
+        yield calls
+    finally:
+        for name, orig in saved.items():
+            setattr(dist, name, orig)
+
+
+def run_cases(rank: int, world_size: int, cases: dict) -> dict:
+    """Run named ``case(rank, world_size)`` bodies in one launch; a failure's traceback per name.
+
+    Assertions are evaluated identically on every rank after the collectives,
+    so one failing case does not stop the next ones from running in step.
+    """
+    outcome = {}
+    for name, case in cases.items():
+        try:
+            case(rank, world_size)
+            outcome[name] = None
+        except AssertionError:
+            outcome[name] = traceback.format_exc()
+    return outcome
+
+
+def check_case(result, name: str) -> None:
+    """Fail the calling test with every rank's traceback for case ``name``."""
+    ok, per_rank = result
+    if not ok:
+        pytest.fail(f"launch failed:\n{per_rank}", pytrace=False)
+    errors = [f"--- rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res[name]]
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)

@@ -75,21 +75,22 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
+        self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, dim, bias=False)
         self.wk = nn.Linear(dim, dim, bias=False)
         self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        h = self.n_heads
+        b, s, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, h, d // h).transpose(1, 2)
+            # -1 heads: under tensor parallelism each rank holds a subset of heads
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):

@@ -15,7 +15,7 @@ import torch.nn as nn
 from _impl import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from models import MLP, build_mlp, cpu_mesh, mlp_batch, mlp_loss
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def _non_contiguous_model() -> MLP:
@@ -191,3 +191,42 @@ def _meta_body(rank, world_size, partial):
 def test_forward_with_meta_params_raises(partial):
     """Forward with params still on meta raises naming them and suggesting to_empty."""
     run_ranks(_meta_body, 2, partial)
+
+
+def _mesh_misfit_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh3d = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match="(?i)2-?D"):
+        fully_shard(build_mlp(), mesh=mesh3d)  # 3-D mesh, no tensor-parallel params
+    unnamed = init_device_mesh("cpu", (1, 2))
+    with pytest.raises((ValueError, AssertionError), match="mesh_dim_names"):
+        fully_shard(build_mlp(), mesh=unnamed)  # HSDP needs named dims
+    with pytest.raises((ValueError, NotImplementedError), match="(?i)uneven|evenly"):
+        # in_proj.weight is (13, 7): dim 1 does not divide over 2 ranks
+        fully_shard(build_mlp(), mesh=cpu_mesh(), shard_placement_fn=lambda p: Shard(1))
+
+
+def test_meshes_and_placements_that_do_not_fit():
+    """A 3-D mesh without TP params, an unnamed 2-D mesh, or an uneven Shard(1) is rejected."""
+    run_ranks(_mesh_misfit_body, 2)
+
+
+def _mesh_messages_body(rank, world_size):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with pytest.raises(ValueError, match=re.escape("in_proj.weight")) as info:
+        fully_shard(build_mlp(), mesh=cpu_mesh(), shard_placement_fn=lambda p: Shard(1))
+    assert "Shard(0)" in str(info.value)  # names the way out
+    with pytest.raises(ValueError, match=re.escape("in_proj.weight")):
+        fully_shard(build_mlp(), mesh=cpu_mesh(), shard_placement_fn=lambda p: Shard(2))
+    model = build_mlp()
+    parallelize_module(model.mid_proj, cpu_mesh(), ColwiseParallel())  # unnamed tp mesh
+    with pytest.raises(ValueError, match="mesh_dim_names"):
+        fully_shard(model, mesh=cpu_mesh())
+
+
+@fsdp2_only
+def test_mesh_errors_name_param_and_fix():
+    """fsdp2's errors name the parameter and the fix: uneven/invalid Shard(k), unnamed TP mesh."""
+    run_ranks(_mesh_messages_body, 2)
