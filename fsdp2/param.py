@@ -11,7 +11,8 @@ sit past the view and are never visible to users.
 
 [Note: Unsharded parameter lifetime]
 The unsharded parameter is created once and written in place after every
-all-gather. It aliases ``padded_full``, a flat buffer of ``W`` padded shards
+all-gather. It has the group's ``param_dtype`` under mixed precision and
+lives on the device under CPU offload (``param_dtype``/``unsharded_device``). It aliases ``padded_full``, a flat buffer of ``W`` padded shards
 (the padded full tensor, rank-major), through ``Tensor.set_`` so that the
 parameter and the buffer share storage but not a version counter: writing a
 fresh all-gather into the buffer never trips autograd's saved-tensor check.
@@ -72,6 +73,10 @@ class FSDPParam:
         self.sharded_param: nn.Parameter = param  # replaced by bind_sharded()
         self.padded_full: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
+        # Where the unsharded parameter differs from the sharded one (set by the
+        # group): its dtype under mixed precision, its device under CPU offload.
+        self.param_dtype: torch.dtype | None = None
+        self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._placements = (Shard(0),)
 
@@ -165,19 +170,21 @@ class FSDPParam:
         world_size = self.mesh_info.shard_mesh_size
         numel = world_size * self.padded_shard_numel
         local = local_tensor(self.sharded_param)
+        dtype = self.param_dtype or local.dtype
+        device = self.unsharded_device or local.device
         if (
             self.padded_full is None
-            or self.padded_full.dtype != local.dtype
-            or self.padded_full.device != local.device
+            or self.padded_full.dtype != dtype
+            or self.padded_full.device != device
         ):
-            self.padded_full = torch.empty(numel, dtype=local.dtype, device=local.device)
+            self.padded_full = torch.empty(numel, dtype=dtype, device=device)
             self.unsharded_param = None
         storage = self.padded_full.untyped_storage()
         nbytes = numel * self.padded_full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         if self.unsharded_param is None:
-            alias = torch.empty(0, dtype=local.dtype, device=local.device)
+            alias = torch.empty(0, dtype=dtype, device=device)
             alias.set_(storage, 0, self.orig_size, self.orig_stride)
             self.unsharded_param = nn.Parameter(alias, requires_grad=False)
         # Follow the sharded parameter: users may freeze or unfreeze it any time.
