@@ -11,9 +11,10 @@ sit past the view and are never visible to users.
 
 [Note: Unsharded parameter lifetime]
 The unsharded parameter is created once and written in place after every
-all-gather. It has the group's ``param_dtype`` under mixed precision and
-lives on the device under CPU offload (``param_dtype``/``unsharded_device``). It aliases ``padded_full``, a flat buffer of ``W`` padded shards
-(the padded full tensor, rank-major), through ``Tensor.set_`` so that the
+all-gather; it is in the group's ``param_dtype`` under mixed precision and on
+the device under CPU offload (``param_dtype``, ``unsharded_device``). It
+aliases ``padded_full``, a flat buffer of ``W`` padded shards (the padded full
+tensor, rank-major), through ``Tensor.set_`` so that the
 parameter and the buffer share storage but not a version counter: writing a
 fresh all-gather into the buffer never trips autograd's saved-tensor check.
 Resharding frees the storage with ``untyped_storage().resize_(0)``; unsharding

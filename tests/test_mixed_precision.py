@@ -44,10 +44,12 @@ STEPS = 3
 PER_RANK_BATCH = 2
 # bf16 has an 8-bit significand: one rounding is a relative error of <= 2**-9.
 # Gradients differ from the hand reference only by the collective's summation
-# order (a few bf16 roundings); parameters by what AdamW makes of that.
+# order (a few bf16 roundings); parameters and later losses by what AdamW makes
+# of that. Observed: bit-equal at W=2; at W=4 (bf16 reduction) about 1.9e-2 of
+# a gradient's largest entry, 4e-4 on parameters and 1.1e-3 on losses.
 GRAD_RTOL, GRAD_ATOL = 2e-2, 2e-3
 PARAM_RTOL, PARAM_ATOL = 1e-2, 1e-3
-LOSS_RTOL, LOSS_ATOL = 1e-2, 1e-2
+LOSS_RTOL, LOSS_ATOL = 0.0, 5e-3
 
 
 # ---------------------------------------------------------------- hand-cast reference
@@ -152,7 +154,11 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _train_against_reference(rank, world_size, policies, metrics: dict, label: str):
-    """Train fully_shard and the hand-cast reference side by side; return the first grads."""
+    """Train fully_shard and the hand-cast reference side by side.
+
+    Returns the first step's reduced gradients (full tensors) and the exact
+    mean of the per-rank gradients they were reduced from.
+    """
     master = build_transformer(seed=5)
     model = copy.deepcopy(master)
     _shard(model, policies, cpu_mesh(world_size))
@@ -179,7 +185,11 @@ def _train_against_reference(rank, world_size, policies, metrics: dict, label: s
             grads[name] = p.grad.full_tensor()
         for name, p in ref.master.named_parameters():
             torch.testing.assert_close(
-                grads[name], p.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+                grads[name],
+                p.grad,
+                rtol=GRAD_RTOL,
+                atol=GRAD_ATOL,
+                msg=lambda m, n=name: f"{n}: {m}",
             )
             worst["grad"] = max(worst["grad"], _max_rel(grads[name], p.grad))
         if first_grads is None:
@@ -191,7 +201,11 @@ def _train_against_reference(rank, world_size, policies, metrics: dict, label: s
         ref_p = ref.master.get_parameter(name)
         value = full(p.detach())
         torch.testing.assert_close(
-            value, ref_p.detach(), rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+            value,
+            ref_p.detach(),
+            rtol=PARAM_RTOL,
+            atol=PARAM_ATOL,
+            msg=lambda m, n=name: f"{n}: {m}",
         )
         worst["param"] = max(worst["param"], (value - ref_p.detach()).abs().max().item())
         # the master weights and the optimizer state stay in full precision
@@ -309,7 +323,9 @@ def _check_collective_dtypes(rank, world_size, metrics):
         ("bf16+fp32 reduce", {"param_dtype": BF16, "reduce_dtype": FP32}),
     ):
         model = build_mlp(seed=3)
-        shard_mlp(model, fully_shard, mesh=cpu_mesh(world_size), mp_policy=MixedPrecisionPolicy(**policy))
+        shard_mlp(
+            model, fully_shard, mesh=cpu_mesh(world_size), mp_policy=MixedPrecisionPolicy(**policy)
+        )
         with _record_collectives() as calls:
             mlp_loss(model, batch).backward()
         observed[label] = calls
@@ -323,7 +339,10 @@ def _check_collective_dtypes(rank, world_size, metrics):
 
     ag32, rs32 = summary("fp32", "all_gather"), summary("fp32", "reduce_scatter")
     ag16, rs16 = summary("bf16", "all_gather"), summary("bf16", "reduce_scatter")
-    ag16r, rs16r = summary("bf16+fp32 reduce", "all_gather"), summary("bf16+fp32 reduce", "reduce_scatter")
+    ag16r, rs16r = (
+        summary("bf16+fp32 reduce", "all_gather"),
+        summary("bf16+fp32 reduce", "reduce_scatter"),
+    )
     assert ag32[0] == {FP32} and rs32[0] == {FP32}, (ag32, rs32)
     assert ag16[0] == {BF16} and ag16r[0] == {BF16}, "the all-gather must carry param_dtype"
     assert rs16[0] == {BF16}, f"reduce_dtype=None reduces in param_dtype, got {rs16[0]}"
@@ -408,7 +427,9 @@ class _Recorder(nn.Module):
     def forward(self, x, pair, batch, extra=None, *, opts=None):
         leaves = [x, pair.a, pair.b, batch.x, batch.mask, extra["t"], extra["ids"], opts[0]]
         self.seen = [t.dtype for t in leaves]
-        assert isinstance(pair, Pair) and isinstance(batch, Batch) and isinstance(extra, OrderedDict)
+        assert (
+            isinstance(pair, Pair) and isinstance(batch, Batch) and isinstance(extra, OrderedDict)
+        )
         h = self.w(x.to(self.w.weight.dtype))
         return {"h": h, "ids": extra["ids"], "pair": Pair(h * 2, batch.mask)}
 
@@ -433,8 +454,12 @@ def _check_forward_io_casting(rank, world_size, metrics):
     assert out["h"].dtype == BF16 and out["ids"].dtype == i64
     seen, out = run(param_dtype=BF16, cast_forward_inputs=False, output_dtype=f64)
     assert seen == [FP32, f64, i64, FP32, b, FP32, i64, torch.float16], seen
-    assert out["h"].dtype == f64 and out["pair"].a.dtype == f64, "output_dtype must reach nested outputs"
-    assert out["ids"].dtype == i64 and out["pair"].b.dtype == b, "non-floating outputs are never cast"
+    assert out["h"].dtype == f64 and out["pair"].a.dtype == f64, (
+        "output_dtype must reach nested outputs"
+    )
+    assert out["ids"].dtype == i64 and out["pair"].b.dtype == b, (
+        "non-floating outputs are never cast"
+    )
     seen, _ = run(output_dtype=FP32)  # no param_dtype: inputs are left alone
     assert seen == [FP32, f64, i64, FP32, b, FP32, i64, torch.float16], seen
 
@@ -444,7 +469,9 @@ def _check_fp16_reduction_in_range(rank, world_size, metrics):
     # ranks would overflow to inf; their mean (31536 at W=4) is representable.
     torch.manual_seed(0)
     model = nn.Linear(1, 4, bias=False)
-    fully_shard(model, mesh=cpu_mesh(world_size), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    fully_shard(
+        model, mesh=cpu_mesh(world_size), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)
+    )
     x = torch.full((1, 1), 30000.0 + 1024.0 * rank)  # the weight's gradient, in fp16 exactly
     out = model(x)
     assert out.dtype == torch.float16
