@@ -3,6 +3,7 @@
 Launch (from the repository root, after ``pip install -e ".[demo]"``):
 
     torchrun --nproc-per-node 2 examples/train.py       # 2 ranks, one machine (CPU: gloo)
+    torchrun --nproc-per-node 2 examples/train.py --bf16   # bf16 compute, fp32 master weights
     python examples/train.py                            # 1 rank, no torchrun needed
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-id demo --rdzv-endpoint HOST:29500 examples/train.py   # on every node
@@ -41,12 +42,12 @@ from model import ModelArgs, Transformer  # noqa: E402
 
 FSDP2_IMPL = os.environ.get("FSDP2_IMPL", "fsdp2").strip().lower()
 if FSDP2_IMPL == "torch":
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     IMPL_INFO = f"torch {torch.__version__}"
 elif FSDP2_IMPL == "fsdp2":
     import fsdp2
-    from fsdp2 import fully_shard
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
 
     IMPL_INFO = f"fsdp2 {fsdp2.__version__} from {Path(fsdp2.__file__).parent}"
 else:
@@ -76,6 +77,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--loss-file", type=Path, help="rank 0 writes each step's mean loss here, one a line"
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="mixed precision: bf16 all-gather and compute, fp32 gradient reduction and weights",
     )
     args = p.parse_args()
     if args.steps < 1:
@@ -137,15 +143,20 @@ def random_batch(
     return windows[:, :-1], windows[:, 1:]
 
 
-def build_model(args: ModelArgs, world_size: int, device: torch.device) -> Transformer:
+def build_model(
+    args: ModelArgs, world_size: int, device: torch.device, bf16: bool = False
+) -> Transformer:
     """Make the model on ``meta``, shard it (one group per block, then the root), then
     allocate this rank's shards on ``device`` and initialise them."""
     with torch.device("meta"):
         model = Transformer(args)
     mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy()
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     model.init_weights()
     return model
@@ -193,7 +204,7 @@ def main() -> None:
         vocab_size=tokenizer.vocab_size,
         max_seq_len=opts.seq_len,
     )
-    model = build_model(model_args, world_size, device)
+    model = build_model(model_args, world_size, device, bf16=opts.bf16)
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda step: lr_factor(step, opts.warmup_steps, opts.steps)

@@ -11,15 +11,25 @@ import torch
 class MixedPrecisionPolicy:
     """How parameters, gradients and activations are cast around FSDP.
 
+    Mixed precision applies at module boundaries, not per op (unlike
+    autocast): the sharded parameters stay in their original dtype (the
+    optimizer's master copy), the all-gather casts them to ``param_dtype``,
+    and casts happen only where a module's inputs come in and outputs leave.
+
     Attributes:
         param_dtype: dtype of the unsharded parameters (all-gather and
-            compute). ``None`` keeps the original dtype.
+            compute). ``None`` keeps the original dtype. Non-floating-point
+            parameters are never cast.
         reduce_dtype: dtype of the gradient reduction. ``None`` means
             ``param_dtype`` (or the original dtype when that is ``None``).
+            ``torch.float32`` with a ``bfloat16`` ``param_dtype`` reduces
+            low-precision gradients in full precision. The reduced gradient
+            is cast to the original dtype on the sharded parameter.
         output_dtype: dtype the module's floating-point outputs are cast to.
-            ``None`` leaves outputs alone.
+            ``None`` leaves outputs alone. Lets modules with different
+            policies follow each other (e.g. an fp32 norm feeding a bf16 block).
         cast_forward_inputs: cast floating-point forward inputs to
-            ``param_dtype``.
+            ``param_dtype`` (when that is set).
     """
 
     param_dtype: torch.dtype | None = None
@@ -37,9 +47,50 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients in host memory.
 
+    Sharded parameters are copied to the device for each all-gather; reduced
+    gradients are copied back to the host; the optimizer steps on CPU tensors
+    (so its state lives on the CPU too). With a CPU mesh the copies vanish.
+    Parameters must be on the CPU (or ``meta``) when training starts.
+
     Attributes:
         pin_memory: pin the host copies so host/device copies can overlap
-            compute. Turn off when host memory is scarce.
+            compute. Turn off when host memory is scarce. Ignored when the
+            device is the CPU itself (nothing to copy, nothing to pin).
     """
 
     pin_memory: bool = True
+
+
+def validate_policies(mp_policy: object, offload_policy: object) -> None:
+    """Reject malformed policies with an error naming the argument and the fix."""
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(
+            f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}; "
+            "e.g. mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is None:
+            continue
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"fully_shard: MixedPrecisionPolicy.{field} must be None or a floating-point "
+                f"torch.dtype (e.g. torch.bfloat16, torch.float32), got {dtype!r}"
+            )
+    if not isinstance(mp_policy.cast_forward_inputs, bool):
+        raise ValueError(
+            "fully_shard: MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
+            f"{mp_policy.cast_forward_inputs!r}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}; "
+            "pass OffloadPolicy() (no offload) or CPUOffloadPolicy()"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy) and not isinstance(
+        offload_policy.pin_memory, bool
+    ):
+        raise ValueError(
+            "fully_shard: CPUOffloadPolicy.pin_memory must be a bool, got "
+            f"{offload_policy.pin_memory!r}"
+        )

@@ -2,15 +2,19 @@
 
 [Note: Copies around the collectives]
 All-gather input: the group's flat sharded buffer *is* the input (sharded
-parameters are views of it), so there is no copy-in.
+parameters are views of it), so there is no copy-in. Only when the input must
+differ from the sharded storage (mixed precision casts it to ``param_dtype``;
+CPU offload moves it to the device) one copy writes the whole flat shard into
+this rank's block of the all-gather output, which is then gathered in place.
 All-gather output: ``W`` rank-major blocks, each the concatenation of every
 parameter's padded shard. A group of one parameter gathers straight into that
 parameter's padded full buffer (no copy-out); otherwise one
 ``split_with_sizes_copy`` scatters the blocks into each parameter's buffer.
 Reduce-scatter input: the same rank-major layout built from the unsharded
-gradients by one ``chunk_cat`` kernel, or the gradient itself when the group
-has one evenly divisible parameter. Parameters sharded on a dim other than 0
-are permuted into their blocks one copy each.
+gradients by one ``chunk_cat`` kernel (which also converts them to the
+reduce dtype), or the gradient itself when the group has one evenly
+divisible parameter already in the reduce dtype. Parameters sharded on a dim
+other than 0 are permuted into their blocks one copy each.
 HSDP: the reduce-scatter output is then all-reduced over the replicate group.
 
 Collectives are looked up on ``torch.distributed`` at call time so that
@@ -53,8 +57,31 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
     dist.all_reduce(tensor, op=op, group=group)
 
 
+def copy_in(
+    output: torch.Tensor, sharded_flat: torch.Tensor, rank: int, non_blocking: bool
+) -> torch.Tensor:
+    """Write the flat shard into this rank's block of ``output``; return that block.
+
+    One copy for the whole group: a cast to the output's dtype and/or a
+    host-to-device move. Across devices the data moves first in its own dtype
+    (from pinned memory, asynchronously when ``non_blocking``) and is cast on
+    the device, where casting is cheap.
+    """
+    numel = sharded_flat.numel()
+    block = output.narrow(0, rank * numel, numel)
+    source = sharded_flat
+    if source.device != block.device and source.dtype != block.dtype:
+        source = source.to(block.device, non_blocking=non_blocking)
+    block.copy_(source, non_blocking=non_blocking)
+    return block
+
+
 def all_gather_output(
-    fsdp_params: list[FSDPParam], input: torch.Tensor, world_size: int
+    fsdp_params: list[FSDPParam],
+    shard_numel: int,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """Return where the all-gather writes: a single parameter's own full buffer, else a flat one.
 
@@ -64,7 +91,7 @@ def all_gather_output(
     """
     if len(fsdp_params) == 1:
         return fsdp_params[0].alloc_unsharded()
-    return input.new_empty(world_size * input.numel())
+    return torch.empty(world_size * shard_numel, dtype=dtype, device=device)
 
 
 def copy_out(output: torch.Tensor, fsdp_params: list[FSDPParam], world_size: int) -> None:
@@ -80,16 +107,19 @@ def copy_out(output: torch.Tensor, fsdp_params: list[FSDPParam], world_size: int
 
 
 def reduce_scatter_input(
-    grads: list[torch.Tensor], fsdp_params: list[FSDPParam], world_size: int
+    grads: list[torch.Tensor],
+    fsdp_params: list[FSDPParam],
+    world_size: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked)."""
+    """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked, in ``dtype``)."""
     if len(grads) == 1:
         grad, param = grads[0], fsdp_params[0]
         even = param.padded_shard_numel * world_size == param.numel
-        if param.shard_dim == 0 and grad.is_contiguous() and even:
+        if param.shard_dim == 0 and grad.dtype == dtype and grad.is_contiguous() and even:
             return grad.view(-1)
     total = sum(p.padded_shard_numel for p in fsdp_params)
-    flat = torch.empty((world_size, total), dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.empty((world_size, total), dtype=dtype, device=grads[0].device)
     if all(p.shard_dim == 0 for p in fsdp_params):
         chunk_cat(grads, world_size, flat)
         return flat.view(-1)
@@ -104,6 +134,28 @@ def reduce_scatter_input(
             block.view(p.block_shape()).copy_(p.rank_blocks(grad))
         offset += p.padded_shard_numel
     return flat.view(-1)
+
+
+def gradient_divide_factors(
+    reduce_dtype: torch.dtype, world_size: int
+) -> tuple[float | None, float | None, dist.ReduceOp.RedOpType]:
+    """``(pre-divide, post-divide, op)`` so that the reduction yields the mean over ranks.
+
+    The naive mean sums ``W`` gradients and divides once, which in a narrow
+    dtype (fp16: max 65504, and its smallest normals) can overflow in the sum
+    or underflow in a prior division. fp32 and bf16 have fp32's exponent
+    range, so the backend's AVG is exact enough and costs no extra kernel.
+    Other dtypes divide by a power of two ``p`` about ``sqrt(W)`` before the
+    sum (exact in binary floating point) and by ``W / p`` after it, so
+    neither the partial sums nor the inputs leave the representable range.
+    """
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return None, None, dist.ReduceOp.AVG
+    pre = 1
+    while world_size % pre == 0 and world_size > pre * pre:
+        pre *= 2
+    post = world_size / pre
+    return (pre if pre != 1 else None), (post if post != 1 else None), dist.ReduceOp.SUM
 
 
 def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
@@ -97,8 +97,14 @@ def fully_shard(
         shard_placement_fn: optional ``param -> Shard | None``: shard that
             parameter on another dim (``None`` means ``Shard(0)``); dims other
             than 0 must divide evenly by the shard dim's size.
-        mp_policy: mixed precision policy; only the default yet.
-        offload_policy: offload policy; only the default yet.
+        mp_policy: mixed precision: the dtype of the all-gather and compute
+            (``param_dtype``), of the gradient reduction (``reduce_dtype``),
+            of the forward outputs (``output_dtype``), and whether floating
+            forward inputs are cast to ``param_dtype``. Sharded parameters and
+            the optimizer keep the original dtype.
+        offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
+            gradients and hence optimizer state in host memory; ``OffloadPolicy()``
+            (default) keeps them on the device.
         ignored_params: parameters left alone: not sharded, not moved, no
             gradient reduction.
 
@@ -106,19 +112,7 @@ def fully_shard(
         The same module (or list), now also an instance of :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError(
-            f"fully_shard: mixed precision ({mp_policy}) is not supported yet; "
-            "pass the default MixedPrecisionPolicy()"
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ValueError(
-            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
-        )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"fully_shard: {offload_policy!r} is not supported yet; pass OffloadPolicy()"
-        )
+    validate_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
     reshard_after_forward, post_forward = _resolve_reshard_after_forward(
@@ -154,8 +148,15 @@ def fully_shard(
             device,
             reshard_after_forward=reshard_after_forward is not False,
             post_forward_mesh_info=post_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
         )
-    FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
+    FSDPState(
+        modules,
+        group,
+        auto_reshard_after_forward=reshard_after_forward is None,
+        mp_policy=mp_policy,
+    )
     for m in modules:
         cls = m.__class__
         fsdp_cls = _fsdp_classes.get(cls)

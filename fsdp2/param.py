@@ -11,8 +11,10 @@ sit past the view and are never visible to users.
 
 [Note: Unsharded parameter lifetime]
 The unsharded parameter is created once and written in place after every
-all-gather. It aliases ``padded_full``, a flat buffer of ``W`` padded shards
-(the padded full tensor, rank-major), through ``Tensor.set_`` so that the
+all-gather; it is in the group's ``param_dtype`` under mixed precision and on
+the device under CPU offload (``param_dtype``, ``unsharded_device``). It
+aliases ``padded_full``, a flat buffer of ``W`` padded shards (the padded full
+tensor, rank-major), through ``Tensor.set_`` so that the
 parameter and the buffer share storage but not a version counter: writing a
 fresh all-gather into the buffer never trips autograd's saved-tensor check.
 Resharding frees the storage with ``untyped_storage().resize_(0)``; unsharding
@@ -118,6 +120,10 @@ class FSDPParam:
         self._unsharded_data: torch.Tensor | None = None  # own storage when shard_dim > 0
         self.unsharded_param: nn.Parameter | None = None
         self._aliased: torch.Tensor | None = None  # the shard the unsharded param views (W=1)
+        # Where the unsharded parameter differs from the sharded one (set by the
+        # group): its dtype under mixed precision, its device under CPU offload.
+        self.param_dtype: torch.dtype | None = None
+        self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
         self._placements = self._sharded_placements()
@@ -230,12 +236,14 @@ class FSDPParam:
         world_size = self.mesh_info.shard_mesh_size
         numel = world_size * self.padded_shard_numel
         local = local_tensor(self.sharded_param)
+        dtype = self.param_dtype or local.dtype
+        device = self.unsharded_device or local.device
         if (
             self.padded_full is None
-            or self.padded_full.dtype != local.dtype
-            or self.padded_full.device != local.device
+            or self.padded_full.dtype != dtype
+            or self.padded_full.device != device
         ):
-            self.padded_full = torch.empty(numel, dtype=local.dtype, device=local.device)
+            self.padded_full = torch.empty(numel, dtype=dtype, device=device)
             self.unsharded_param = None
         storage = self.padded_full.untyped_storage()
         nbytes = numel * self.padded_full.element_size()
@@ -270,7 +278,11 @@ class FSDPParam:
         if self.shard_dim == 0:
             return
         staging = self.padded_full
-        if self._unsharded_data is None or self._unsharded_data.dtype != staging.dtype:
+        if (
+            self._unsharded_data is None
+            or self._unsharded_data.dtype != staging.dtype
+            or self._unsharded_data.device != staging.device
+        ):
             self._unsharded_data = torch.empty(
                 self.numel, dtype=staging.dtype, device=staging.device
             )

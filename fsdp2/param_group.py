@@ -14,6 +14,18 @@ consecutive rank blocks ``[j * W/k, (j+1) * W/k)`` for post-forward rank
 ``j``, laid out ``(W/k, group shard numel)``. Gathering those blocks over the
 ``k`` ranks yields exactly the ``(W, group shard numel)`` rank-major buffer a
 full all-gather would, so copy-out is unchanged.
+
+[Note: CPU offload]
+With ``CPUOffloadPolicy`` the flat buffer (hence every sharded parameter, and
+the optimizer state built on them) lives in host memory, pinned when the
+device is an accelerator. Each all-gather copies the flat shard to the device
+in one copy (the same copy-in that casts for mixed precision); each
+reduction copies the flat reduced gradient back to the host in one copy.
+Gradient copies from an accelerator are asynchronous into pinned memory when
+nothing on the host reads them before the end of backward (no gradient to
+accumulate into); the end-of-backward callback waits for them, so the
+optimizer never sees a half-written gradient. On a CPU mesh every one of
+these copies is a no-op and the code path is the same.
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ import torch.nn as nn
 
 from . import collectives
 from ._torch_compat import local_tensor
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
+from .mixed_precision import resolve_dtypes
 from .param import FSDPParam, ShardedState
 
 logger = logging.getLogger("fsdp2.param_group")
@@ -59,6 +73,8 @@ class FSDPParamGroup:
         device: torch.device,
         reshard_after_forward: bool,
         post_forward_mesh_info: PostForwardMeshInfo | None = None,
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+        offload_policy: OffloadPolicy = OffloadPolicy(),
     ) -> None:
         self.fsdp_params = fsdp_params
         self.modules = modules
@@ -76,7 +92,8 @@ class FSDPParamGroup:
         self.module_fqn = ""
         self.ctx = IterContext()
         self._post_forward_indices: list[int] = []
-        self._pending_unshard: tuple[dist.Work | None, torch.Tensor] | None = None
+        # (work, all-gather output, input kept alive until the work is done)
+        self._pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         self._is_unsharded = False
         self._offsets = []
         offset = 0
@@ -84,13 +101,44 @@ class FSDPParamGroup:
             self._offsets.append(offset)
             offset += p.padded_shard_numel
         self._total_shard_numel = offset
+        # See [Note: CPU offload]
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self._pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
+        self._grad_offload_event: torch.Event | None = None
         on_meta = any(src.is_meta for src in sources)
-        buffer_device = torch.device("meta") if on_meta else device
-        self._sharded_flat = torch.zeros(offset, dtype=sources[0].dtype, device=buffer_device)
+        if on_meta:
+            buffer_device = torch.device("meta")
+        else:
+            buffer_device = torch.device("cpu") if self.offload else device
+        self._sharded_flat = self._new_flat(sources[0].dtype, buffer_device)
         for i, (p, src) in enumerate(zip(fsdp_params, sources)):
             p.bind_sharded(self._slot(i), src if on_meta else src.to(buffer_device))
+        self._init_dtypes()
 
     # ---- buffers ------------------------------------------------------------
+
+    def _new_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pin = self._pin_memory and device.type == "cpu"
+        return torch.zeros(self._total_shard_numel, dtype=dtype, device=device, pin_memory=pin)
+
+    def _init_dtypes(self) -> None:
+        """Resolve the mixed precision dtypes and where the all-gather input comes from.
+
+        Runs at init and whenever the sharded parameters were replaced (their
+        dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
+        See [Note: Mixed precision cast points] in mixed_precision.py.
+        """
+        self.orig_dtype = self._sharded_flat.dtype
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, self.orig_dtype)
+        unsharded_device = self.device if self.offload else None
+        for p in self.fsdp_params:
+            p.param_dtype = self.param_dtype
+            p.unsharded_device = unsharded_device
+        # Without a cast or a move the flat buffer is the all-gather input itself.
+        self._copy_in = self.param_dtype is not None or (
+            self.offload and self.device.type != "cpu"
+        )
 
     def _slot(self, index: int) -> torch.Tensor:
         start = self._offsets[index]
@@ -107,11 +155,10 @@ class FSDPParamGroup:
             p.adopt_registered()
         first = local_tensor(self.fsdp_params[0].sharded_param)
         if self._sharded_flat.device != first.device or self._sharded_flat.dtype != first.dtype:
-            self._sharded_flat = torch.zeros(
-                self._total_shard_numel, dtype=first.dtype, device=first.device
-            )
+            self._sharded_flat = self._new_flat(first.dtype, first.device)
         for i, p in enumerate(self.fsdp_params):
             p.rebind_sharded(self._slot(i))
+        self._init_dtypes()
 
     @property
     def sharded_flat(self) -> torch.Tensor:
@@ -127,6 +174,24 @@ class FSDPParamGroup:
                     "initialize it (e.g. reset_parameters() or load_state_dict())."
                 )
 
+    def check_offloaded(self) -> None:
+        """With CPU offload, fail clearly if any sharded parameter is not on the CPU."""
+        if not self.offload:
+            return
+        misplaced = [
+            f"'{p.fqn}' ({p.sharded_param.device})"
+            for p in self.fsdp_params
+            if p.sharded_param.device.type != "cpu"
+        ]
+        if misplaced:
+            raise RuntimeError(
+                "CPUOffloadPolicy keeps sharded parameters on the CPU, but "
+                f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} not. "
+                'Materialize the model on the CPU (e.g. model.to_empty(device="cpu") and '
+                "initialize it, or load a CPU state dict); FSDP copies the shards to "
+                f"{self.device} for each all-gather."
+            )
+
     # ---- unshard / reshard --------------------------------------------------
 
     @property
@@ -138,20 +203,32 @@ class FSDPParamGroup:
         if self._is_unsharded or self._pending_unshard is not None:
             return
         world_size = self.mesh_info.shard_mesh_size
-        if world_size == 1:  # the shards are the parameters: nothing to gather
+        if world_size == 1 and not self._copy_in:
+            # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
                 p.alias_shard()
                 p.to_unsharded()
             self._is_unsharded = True
             return
-        output = collectives.all_gather_output(self.fsdp_params, self._sharded_flat, world_size)
+        output = collectives.all_gather_output(
+            self.fsdp_params,
+            self._total_shard_numel,
+            world_size,
+            self.param_dtype or self.orig_dtype,
+            self.device,
+        )
         if self._post_forward_flat is not None:
             # kept (and freed) until wait_for_unshard: the collective reads it
-            input, group = self._post_forward_flat, self.post_forward_mesh_info.process_group
+            ag_input = self._post_forward_flat
+            group = self.post_forward_mesh_info.process_group
         else:
-            input, group = self._sharded_flat, self.mesh_info.shard_process_group
-        work = collectives.all_gather(output, input, group, async_op)
-        self._pending_unshard = (work, output)
+            ag_input, group = self._sharded_flat, self.mesh_info.shard_process_group
+            if self._copy_in:  # See [Note: Copies around the collectives]
+                ag_input = collectives.copy_in(
+                    output, ag_input, self.mesh_info.shard_mesh_rank, self._pin_memory
+                )
+        work = collectives.all_gather(output, ag_input, group, async_op)
+        self._pending_unshard = (work, output, ag_input)
         if not async_op:
             self.wait_for_unshard()
 
@@ -159,7 +236,7 @@ class FSDPParamGroup:
         """Finish an in-flight all-gather and register the unsharded parameters."""
         if self._pending_unshard is None:
             return
-        work, output = self._pending_unshard
+        work, output, _ = self._pending_unshard
         self._pending_unshard = None
         if work is not None:
             work.wait()
@@ -174,7 +251,7 @@ class FSDPParamGroup:
         """Register the sharded parameters again and free the unsharded storage."""
         self._post_forward_flat = None
         if self._pending_unshard is not None:
-            work, _ = self._pending_unshard
+            work, _, _ = self._pending_unshard
             self._pending_unshard = None
             if work is not None:
                 work.wait()
@@ -267,36 +344,47 @@ class FSDPParamGroup:
     def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
-        if world_size == 1 and not hsdp:  # the mean over one rank is the gradient itself
-            for p, grad in zip(fsdp_params, grads):
-                p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
-            return
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
         with torch.no_grad():
-            if world_size == 1:  # HSDP without sharding: only the all-reduce remains
-                output = torch.cat([g.reshape(-1) for g in grads])
-                grads.clear()
+            if (
+                world_size == 1
+                and not hsdp
+                and not self.offload
+                and all(g.dtype == reduce_dtype == self.orig_dtype for g in grads)
+            ):  # the mean over one rank is the gradient itself
+                for p, grad in zip(fsdp_params, grads):
+                    p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
+                return
+            rs_input = collectives.reduce_scatter_input(
+                grads, fsdp_params, world_size, reduce_dtype
+            )
+            grads.clear()  # the copy-in is done: let the unsharded gradients go
+            if world_size == 1:  # one rank's input is already its own mean
+                output = rs_input
             else:
-                rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
-                grads.clear()  # the unsharded gradients die here, before the collective
+                pre, post, op = collectives.gradient_divide_factors(reduce_dtype, world_size)
+                if pre is not None:
+                    rs_input.div_(pre)
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(
-                    output, rs_input, self.mesh_info.shard_process_group, dist.ReduceOp.AVG
+                    output, rs_input, self.mesh_info.shard_process_group, op
                 )
-            locals_ = collectives.split_sharded_grads(output, fsdp_params)
-            if hsdp and not self._all_reduce(output, fsdp_params, locals_):
+                if post is not None:
+                    output.div_(post)
+            if hsdp and not self._all_reduce(output, fsdp_params):
                 return
-            for p, local in zip(fsdp_params, locals_):
+            output = self._to_sharded_grad_storage(output, fsdp_params)
+            for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
                 p.accumulate_sharded_grad(local)
 
-    def _all_reduce(
-        self, output: torch.Tensor, fsdp_params: list[FSDPParam], locals_: list[torch.Tensor]
-    ) -> bool:
+    def _all_reduce(self, output: torch.Tensor, fsdp_params: list[FSDPParam]) -> bool:
         """HSDP: average over the replicate group; returns whether gradients are final.
 
         With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
-        gradients are kept aside, not set on ``.grad``, and folded into the
-        next all-reduce, as upstream does.
+        gradients (in the reduce dtype) are kept aside, not set on ``.grad``,
+        and folded into the next all-reduce, as upstream does.
         """
+        locals_ = collectives.split_sharded_grads(output, fsdp_params)
         if not self.all_reduce_grads:
             for p, local in zip(fsdp_params, locals_):
                 partial = self._partial_grads.get(p)
@@ -309,6 +397,34 @@ class FSDPParamGroup:
         collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
         return True
 
+    def _to_sharded_grad_storage(
+        self, reduced: torch.Tensor, fsdp_params: list[FSDPParam]
+    ) -> torch.Tensor:
+        """The reduced flat gradient in the sharded parameters' dtype and device.
+
+        One cast (mixed precision) and, with CPU offload, one device-to-host copy
+        for the whole group; no-ops when nothing differs. See [Note: CPU offload].
+        """
+        device = self._sharded_flat.device if self.offload else reduced.device
+        if reduced.dtype == self.orig_dtype and reduced.device == device:
+            return reduced
+        non_blocking = (
+            self._pin_memory
+            and reduced.device != device
+            and all(p.sharded_param.grad is None for p in fsdp_params)
+        )
+        result = reduced.to(device=device, dtype=self.orig_dtype, non_blocking=non_blocking)
+        if non_blocking:
+            self._grad_offload_event = torch.Event(device=reduced.device)
+            self._grad_offload_event.record()
+        return result
+
+    def wait_for_grad_offload(self) -> None:
+        """Block until asynchronous device-to-host gradient copies have landed."""
+        if self._grad_offload_event is not None:
+            self._grad_offload_event.synchronize()
+            self._grad_offload_event = None
+
     def finish_iteration(self) -> None:
         """End-of-backward cleanup: reduce what is left, reshard, reset state."""
         if (
@@ -318,12 +434,15 @@ class FSDPParamGroup:
         ):
             self.post_backward()
             self.reshard()
+        if self._grad_offload_event is not None:
+            self.wait_for_grad_offload()
         self.training_state = TrainingState.IDLE
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
         """Drop every per-iteration trace after a failed forward or backward."""
         self.reshard()
+        self.wait_for_grad_offload()
         for p in self.fsdp_params:
             p.take_unsharded_grad()
         self.training_state = TrainingState.IDLE

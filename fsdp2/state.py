@@ -3,9 +3,11 @@
 [Note: One training step]
 root pre-forward   lazy init once (root, FQNs, meta check, root keeps its
                    parameters unsharded after forward unless told otherwise)
-pre-forward        unshard the group; wrap inputs that need grad in a
-                   function whose backward is this group's post-backward
-post-forward       reshard if asked; record the forward order; hook outputs
+pre-forward        cast floating inputs (mixed precision); unshard the group;
+                   wrap inputs that need grad in a function whose backward is
+                   this group's post-backward
+post-forward       reshard if asked; record the forward order; hook outputs;
+                   cast floating outputs (mixed precision)
 pre-backward       (first gradient reaching an output) unshard again if
                    needed, prefetch the group that ran before in forward
 post-backward      reshard, reduce-scatter, accumulate sharded gradients
@@ -22,6 +24,8 @@ import torch
 import torch.nn as nn
 
 from ._torch_compat import in_backward, queue_backward_callback, tree_flatten, tree_unflatten
+from .api import MixedPrecisionPolicy
+from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup, IterContext
 
 logger = logging.getLogger("fsdp2.state")
@@ -52,10 +56,14 @@ class FSDPState:
         modules: tuple[nn.Module, ...],
         param_group: FSDPParamGroup | None,
         auto_reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ) -> None:
         self.modules = modules
         self.param_group = param_group
         self.auto_reshard_after_forward = auto_reshard_after_forward
+        # Mixed precision casts of this state's module inputs and outputs (None: no cast).
+        self._input_dtype = input_cast_dtype(mp_policy)
+        self._output_dtype = mp_policy.output_dtype
         self.is_root: bool | None = None
         self.root_ctx: _RootContext | None = None
         self._modules_to_run: set[nn.Module] = set()
@@ -110,6 +118,7 @@ class FSDPState:
                 p.fqn = f"{prefix}.{name}" if prefix else name
             group.reset_sharded_params()
             group.check_materialized()
+            group.check_offloaded()
         logger.debug("lazy init: root %s with %d FSDP states", type(root_module).__name__,
                      len(ctx.all_states))
 
@@ -119,41 +128,52 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         group = self.param_group
+        cast = None
+        if self._input_dtype is not None:
+            args, kwargs = cast = cast_args(args, kwargs, self._input_dtype)
         if in_backward():
             # Activation-checkpoint recompute: only make the parameters available.
             if group is not None:
                 group.unshard()
                 group.wait_for_unshard()
-            return None
+            return cast
         if self.is_root is None:
             self._lazy_init()
         first_in_group = not self._modules_to_run
         if len(self.modules) > 1:
             if not first_in_group:
-                return None
+                return cast
             self._modules_to_run.update(self.modules)
         if group is None:
-            return None
+            return cast
         group.pre_forward()
         if torch.is_grad_enabled():
-            return _register_post_backward(group, args, kwargs)
-        return None
+            return _register_post_backward(group, args, kwargs) or cast
+        return cast
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
-            return output
+            return self._cast_output(output)
         if len(self.modules) > 1:
             self._modules_to_run.discard(module)
             if self._modules_to_run:
-                return output  # other modules of this group still have to run
+                # Other modules of this group still have to run.
+                return self._cast_output(output)
         output = self._finish_forward(output)
         if self.is_root:
             # Groups of several modules that did not all run: finish them now.
             for state in self.root_ctx.all_states:
                 if state._modules_to_run:
                     state._modules_to_run.clear()
-                    output = state._finish_forward(output)
+                    output = state._cast_output(state._finish_forward(output))
+        if self._output_dtype is not None:
+            output = cast_floating(output, self._output_dtype)
         return output
+
+    def _cast_output(self, output: Any) -> Any:
+        if self._output_dtype is None:
+            return output
+        return cast_floating(output, self._output_dtype)
 
     def _finish_forward(self, output: Any) -> Any:
         if self.param_group is not None:

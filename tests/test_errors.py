@@ -135,23 +135,29 @@ def test_invalid_reshard_after_forward():
     run_ranks(_bad_reshard_body, 2)
 
 
-def _policies_body(rank, world_size, kind):
-    model = build_mlp()
-    if kind == "mp":
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-    else:
-        kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
-    # the message must name the argument (by keyword or by its policy class)
-    expected = "mp_policy|MixedPrecisionPolicy" if kind == "mp" else "offload_policy|OffloadPolicy"
-    with pytest.raises(NotImplementedError, match=expected):
-        fully_shard(model, mesh=cpu_mesh(), **kwargs)
+BAD_POLICIES = [
+    ({"mp_policy": "bf16"}, "mp_policy"),
+    ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int32)}, "param_dtype"),
+    ({"mp_policy": MixedPrecisionPolicy(reduce_dtype="float32")}, "reduce_dtype"),
+    ({"mp_policy": MixedPrecisionPolicy(output_dtype=torch.bool)}, "output_dtype"),
+    ({"mp_policy": MixedPrecisionPolicy(cast_forward_inputs=None)}, "cast_forward_inputs"),
+    ({"offload_policy": "cpu"}, "offload_policy"),
+    ({"offload_policy": CPUOffloadPolicy(pin_memory="yes")}, "pin_memory"),
+]
+
+
+def _bad_policies_body(rank, world_size):
+    for kwargs, culprit in BAD_POLICIES:
+        model = build_mlp()
+        with pytest.raises(ValueError, match=culprit):
+            fully_shard(model, mesh=cpu_mesh(), **kwargs)
+        assert not isinstance(model.in_proj.weight, DTensor), "a rejected call must not shard"
 
 
 @fsdp2_only
-@pytest.mark.parametrize("kind", ["mp", "offload"])
-def test_non_default_policies_not_implemented(kind):
-    """Non-default mp_policy / offload_policy raise NotImplementedError naming the argument (fsdp2 for now)."""
-    run_ranks(_policies_body, 1, kind)
+def test_invalid_policies_rejected():
+    """Non-policy objects, non-floating or non-dtype policy dtypes and a non-bool pin_memory -> ValueError naming the field."""
+    run_ranks(_bad_policies_body, 1)
 
 
 def _default_policies_body(rank, world_size):

@@ -1,0 +1,103 @@
+"""Mixed precision: the dtypes a group computes and reduces in, and module I/O casts.
+
+[Note: Mixed precision cast points]
+With ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on fp32
+parameters, one training step casts at exactly these points:
+
+1. all-gather copy-in: the group's flat fp32 shard is cast into this rank's
+   slot of the bf16 all-gather output (one copy for the whole group), so the
+   collective carries bf16 and the unsharded parameters are bf16;
+2. forward inputs: floating-point tensors among the module's forward
+   arguments are cast to ``param_dtype`` (``cast_forward_inputs``);
+3. forward outputs: floating-point outputs are cast to ``output_dtype``;
+4. reduce-scatter copy-in: the bf16 unsharded gradients are written into a
+   ``reduce_dtype`` buffer (the chunking kernel converts as it copies);
+5. after the reduction the flat result is cast to the original dtype and
+   becomes the sharded gradients, so the optimizer sees fp32 only.
+
+Everything else (sharded parameters, optimizer state, buffers) keeps its
+dtype. Non-floating-point parameters are never cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from .api import MixedPrecisionPolicy
+
+
+def resolve_dtypes(
+    policy: MixedPrecisionPolicy, orig_dtype: torch.dtype
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of a group whose parameters are ``orig_dtype``.
+
+    ``None`` means "no cast": ``param_dtype`` is ``None`` when it equals the
+    original dtype or the parameters are not floating point; ``reduce_dtype``
+    is ``None`` when the gradients (computed in the policy's ``param_dtype``)
+    are already in it.
+    """
+    reduce_dtype = policy.reduce_dtype
+    if reduce_dtype == policy.param_dtype:
+        reduce_dtype = None
+    param_dtype = policy.param_dtype
+    if param_dtype == orig_dtype or not orig_dtype.is_floating_point:
+        param_dtype = None
+    return param_dtype, reduce_dtype
+
+
+def input_cast_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
+    """The dtype forward inputs are cast to, or ``None`` for no cast."""
+    return policy.param_dtype if policy.cast_forward_inputs else None
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor inside it cast to ``dtype``.
+
+    Walks tensors, dataclasses, dicts (``OrderedDict`` keeps its type),
+    namedtuples, lists, tuples and sets, rebuilding each container; anything
+    else (including a ``PackedSequence``) is returned as is. Tensors already
+    in ``dtype`` and non-floating tensors are returned unchanged (no copy).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in value):
+        # Fast path for the common flat argument tuple; keeps namedtuples' type.
+        cast = [cast_floating(x, dtype) for x in value]
+        if hasattr(value, "_fields"):
+            return type(value)(*cast)
+        return type(value)(cast)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: cast_floating(getattr(value, f.name), dtype)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, OrderedDict):
+        result = value.__class__()
+        for key, item in value.items():
+            result[key] = cast_floating(item, dtype)
+        return result
+    if isinstance(value, PackedSequence):
+        return value
+    if isinstance(value, dict):
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(cast_floating(x, dtype) for x in value))
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(cast_floating(x, dtype) for x in value)
+    return value
+
+
+def cast_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward ``args`` and ``kwargs`` with their floating-point tensors cast to ``dtype``."""
+    return cast_floating(args, dtype), cast_floating(kwargs, dtype) if kwargs else kwargs
