@@ -61,8 +61,35 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def validate_policies(mp_policy: object, offload_policy: object) -> None:
-    """Reject malformed policies with an error naming the argument and the fix."""
+def _from_upstream(policy: object) -> object:
+    """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
+    from torch.distributed import fsdp as upstream
+
+    if isinstance(policy, upstream.MixedPrecisionPolicy):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    if isinstance(policy, upstream.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if isinstance(policy, upstream.OffloadPolicy):
+        return OffloadPolicy()
+    return policy
+
+
+def resolve_policies(
+    mp_policy: object, offload_policy: object
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """Validate the policies (accepting upstream's policy classes too) and return ours.
+
+    Malformed policies raise an error naming the argument and the fix.
+    """
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        mp_policy = _from_upstream(mp_policy)
+    if not isinstance(offload_policy, OffloadPolicy):
+        offload_policy = _from_upstream(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(
             f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}; "
@@ -94,3 +121,4 @@ def validate_policies(mp_policy: object, offload_policy: object) -> None:
             "fully_shard: CPUOffloadPolicy.pin_memory must be a bool, got "
             f"{offload_policy.pin_memory!r}"
         )
+    return mp_policy, offload_policy

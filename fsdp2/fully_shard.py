@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .api import MixedPrecisionPolicy, OffloadPolicy, validate_policies
+from .api import MixedPrecisionPolicy, OffloadPolicy, resolve_policies
 from .mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
@@ -112,7 +112,7 @@ def fully_shard(
         The same module (or list), now also an instance of :class:`FSDPModule`.
     """
     modules = _validate_modules(module)
-    validate_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
     reshard_after_forward, post_forward = _resolve_reshard_after_forward(

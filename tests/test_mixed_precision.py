@@ -23,17 +23,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _impl import MixedPrecisionPolicy, fully_shard
+from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import RankError, run_ranks
 from models import (
     build_mlp,
     build_transformer,
     cpu_mesh,
     full,
+    make_pair,
     mlp_batch,
     mlp_loss,
     rank_slice,
     shard_mlp,
+    shard_transformer,
     transformer_batch,
     transformer_loss,
 )
@@ -563,3 +565,25 @@ def test_forward_inputs_and_outputs_cast(world_size):
 def test_fp16_reduction_divides_before_and_after_the_sum(world_size):
     """fp16 gradients near the dtype's maximum are averaged without overflow (pre/post division)."""
     _outcome(world_size, "fp16_range")
+
+
+def _upstream_policy_body(rank, world_size):
+    from torch.distributed import fsdp as upstream
+
+    policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours_ref, theirs = make_pair(lambda: build_transformer(seed=21))
+    shard_transformer(ours_ref, fully_shard, mesh=cpu_mesh(), mp_policy=MixedPrecisionPolicy(**policy))
+    shard_transformer(theirs, fully_shard, mesh=cpu_mesh(), mp_policy=upstream.MixedPrecisionPolicy(**policy))
+    batch = rank_slice(transformer_batch(0, 2 * world_size), rank, world_size)
+    a, b = transformer_loss(ours_ref, batch), transformer_loss(theirs, batch)
+    assert b.dtype == a.dtype and torch.equal(a, b), (a, b)
+    a.backward()
+    b.backward()
+    for (n, p), q in zip(ours_ref.named_parameters(), theirs.parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), n
+
+
+@fsdp2_only
+def test_upstream_policy_objects_accepted():
+    """torch.distributed.fsdp.MixedPrecisionPolicy passed to fsdp2.fully_shard acts as ours."""
+    run_ranks(_upstream_policy_body, 2)
