@@ -6,6 +6,7 @@ keep the rest of the training script.
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
 __all__ = [
     "fully_shard",
@@ -15,5 +16,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "get_full_state_dict",
+    "set_full_state_dict",
+    "IncompatibleKeys",
 ]
 __version__ = "0.1.0"

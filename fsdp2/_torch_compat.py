@@ -97,3 +97,14 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a nested container, in flatten order."""
     leaves, _ = tree_flatten(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``, the base class of modes that see every aten op.
+
+    Only the tests use it (to count live tensor bytes). Wraps
+    ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 2.0 - 2.13).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
