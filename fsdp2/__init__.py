@@ -5,6 +5,7 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .checkpoint import load_checkpoint, save_checkpoint
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
@@ -19,5 +20,7 @@ __all__ = [
     "get_full_state_dict",
     "set_full_state_dict",
     "IncompatibleKeys",
+    "save_checkpoint",
+    "load_checkpoint",
 ]
 __version__ = "0.1.0"
