@@ -5,10 +5,15 @@ Launch (from the repository root, after ``pip install -e ".[demo]"``):
     torchrun --nproc-per-node 2 examples/train.py       # 2 ranks, one machine (CPU: gloo)
     torchrun --nproc-per-node 2 examples/train.py --bf16   # bf16 compute, fp32 master weights
     python examples/train.py                            # 1 rank, no torchrun needed
+    torchrun --nproc-per-node 4 examples/train.py --steps 100 --ckpt-dir /tmp/ckpt --ckpt-every 50
+    torchrun --nproc-per-node 2 examples/train.py --steps 200 --ckpt-dir /tmp/ckpt --resume
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-id demo --rdzv-endpoint HOST:29500 examples/train.py   # on every node
 
 With CUDA each rank takes the GPU of its LOCAL_RANK and NCCL; without, gloo on CPU.
+``--ckpt-dir`` saves a sharded checkpoint (torch.distributed.checkpoint) every
+``--ckpt-every`` steps and at the end; ``--resume`` continues from the latest
+one, at any world size (the second command above resumes on 2 ranks).
 ``FSDP2_IMPL=torch`` runs the same script on upstream ``torch.distributed.fsdp``,
 for side-by-side comparisons (same seed: the loss curves should match).
 
@@ -52,6 +57,8 @@ elif FSDP2_IMPL == "fsdp2":
     IMPL_INFO = f"fsdp2 {fsdp2.__version__} from {Path(fsdp2.__file__).parent}"
 else:
     raise SystemExit(f"FSDP2_IMPL must be 'fsdp2' or 'torch', got {FSDP2_IMPL!r}")
+# Checkpoints go through torch's public DCP API, so fsdp2's helpers serve either implementation.
+from fsdp2 import load_checkpoint, save_checkpoint  # noqa: E402
 
 # nn.init on a sharded (DTensor) parameter of a CPU mesh: each rank fills its own
 # shard from its own generator, which is all this script needs (same seed everywhere).
@@ -83,9 +90,16 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="mixed precision: bf16 all-gather and compute, fp32 gradient reduction and weights",
     )
+    p.add_argument("--ckpt-dir", type=Path, help="save sharded checkpoints here (DCP)")
+    p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's latest")
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.resume and not args.ckpt_dir:
+        p.error("--resume needs --ckpt-dir")
+    if args.ckpt_every < 1:
+        p.error("--ckpt-every must be at least 1")
     return args
 
 
@@ -180,6 +194,23 @@ def generate(
     return tokenizer.decode(ids)
 
 
+def resume(ckpt_dir: Path, model: Transformer, optim, sched, gen: torch.Generator,
+           data_len: int, opts: argparse.Namespace) -> int:
+    """Load the latest checkpoint (any world size); return the step to continue from."""
+    saved = sorted(ckpt_dir.glob("step_*"))
+    if not saved:
+        raise SystemExit(f"--resume: no step_* checkpoint in {ckpt_dir}")
+    extra = {"step": 0, "sched": sched}
+    load_checkpoint(saved[-1], model, optim, extra=extra)
+    if extra["step"] >= opts.steps:
+        raise SystemExit(f"{saved[-1]} is at step {extra['step']}: pass --steps beyond it")
+    for _ in range(extra["step"]):  # replay this rank's data draws: same batches as unbroken
+        torch.randint(0, data_len - opts.seq_len - 1, (opts.batch_size,), generator=gen)
+    if dist.get_rank() == 0:
+        print(f"resumed from {saved[-1]} at step {extra['step']}", flush=True)
+    return extra["step"]
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warmup to 1, then cosine decay to 0.1 at ``total``."""
     if step < warmup:
@@ -222,7 +253,8 @@ def main() -> None:
             flush=True,
         )
 
-    progress = tqdm(range(opts.steps), desc="train", dynamic_ncols=True, disable=rank != 0)
+    first = resume(opts.ckpt_dir, model, optim, sched, gen, len(data), opts) if opts.resume else 0
+    progress = tqdm(range(first, opts.steps), desc="train", dynamic_ncols=True, disable=rank != 0)
     losses: list[float] = []
     start = time.perf_counter()
     timed_from = start  # tokens/s excludes the first step (warm-up, lazy init)
@@ -240,17 +272,20 @@ def main() -> None:
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world_size)
-        if step == 0:
+        if opts.ckpt_dir and ((step + 1) % opts.ckpt_every == 0 or step + 1 == opts.steps):
+            extra = {"step": step + 1, "sched": sched}
+            save_checkpoint(opts.ckpt_dir / f"step_{step + 1:06d}", model, optim, extra=extra)
+        if step == first:
             timed_from = time.perf_counter()
         if rank == 0:
             elapsed = time.perf_counter() - timed_from
-            tok_s = tokens_per_step * step / elapsed if step else 0.0
+            tok_s = tokens_per_step * (step - first) / elapsed if step > first else 0.0
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
     progress.close()
 
     total = time.perf_counter() - start
     if rank == 0:
-        tok_s = tokens_per_step * (opts.steps - 1) / max(1e-9, time.perf_counter() - timed_from)
+        tok_s = tokens_per_step * (len(losses) - 1) / max(1e-9, time.perf_counter() - timed_from)
         tail = losses[-10:]
         print(
             f"done: impl={FSDP2_IMPL} world_size={world_size} steps={opts.steps} "

@@ -5,8 +5,10 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .checkpoint import load_checkpoint, save_checkpoint
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .optim import clip_grad_norm_, enable_local_shard_step
+from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
 __all__ = [
     "fully_shard",
@@ -18,5 +20,10 @@ __all__ = [
     "CPUOffloadPolicy",
     "clip_grad_norm_",
     "enable_local_shard_step",
+    "get_full_state_dict",
+    "set_full_state_dict",
+    "IncompatibleKeys",
+    "save_checkpoint",
+    "load_checkpoint",
 ]
 __version__ = "0.1.0"

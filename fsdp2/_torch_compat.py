@@ -132,3 +132,12 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     ``full_tensor()`` must undo TP's split first.
     """
     return _StridedShard(dim, split_factor=split_factor)
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``, the base class of modes that see every aten op.
+
+    Only the tests use it (to count live tensor bytes). Wraps
+    ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 2.0 - 2.13).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

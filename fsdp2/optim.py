@@ -203,9 +203,12 @@ def _local_norm_power(tensors: list[torch.Tensor], norm_type: float) -> torch.Te
     norms = []
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
-        by_device.setdefault((t.device, t.dtype), []).append(t)
+        if t.numel() > 0:  # empty shards add nothing (and have no inf-norm)
+            by_device.setdefault((t.device, t.dtype), []).append(t)
     for ts in by_device.values():
         norms.extend(foreach_norm(ts, norm_type))
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
     device = norms[0].device
     stacked = torch.stack([n.to(device, torch.promote_types(n.dtype, torch.float32)) for n in norms])
     if math.isinf(norm_type):

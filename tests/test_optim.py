@@ -8,6 +8,7 @@ and leave DTensor-valued optimizer state behind.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from models import (
     mlp_batch,
     mlp_loss,
     rank_slice,
+    shard_mlp,
     shard_transformer,
     transformer_batch,
     transformer_loss,
@@ -104,13 +106,20 @@ def test_local_shard_step_falls_back_for_plain_params():
 
 
 def _clip_body(rank, world_size):
-    for norm_type in (2.0, 1.0, float("inf")):
-        ref = build_transformer(seed=12)
+    # The MLP has parameters with fewer dim-0 rows than ranks: some shards are empty.
+    cases = [
+        (lambda: build_transformer(seed=12), shard_transformer, transformer_batch, transformer_loss),
+        (lambda: build_mlp(seed=12), shard_mlp, mlp_batch, mlp_loss),
+    ]
+    for (build, shard, make_batch, loss_fn), norm_type in itertools.product(
+        cases, (2.0, 1.0, float("inf"))
+    ):
+        ref = build()
         model = copy.deepcopy(ref)
-        shard_transformer(model, fully_shard, mesh=cpu_mesh())
-        batch = transformer_batch(0, 2 * world_size)
-        transformer_loss(ref, batch).backward()
-        transformer_loss(model, rank_slice(batch, rank, world_size)).backward()
+        shard(model, fully_shard, mesh=cpu_mesh())
+        batch = make_batch(0, 2 * world_size)
+        loss_fn(ref, batch).backward()
+        loss_fn(model, rank_slice(batch, rank, world_size)).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
         norm = fsdp2.clip_grad_norm_(model.parameters(), 0.05, norm_type)
         assert not isinstance(norm, DTensor)
@@ -122,7 +131,7 @@ def _clip_body(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_clip_grad_norm_matches_unsharded(world_size):
-    """fsdp2.clip_grad_norm_ (2, 1, inf norms) returns the reference norm and clips like it."""
+    """fsdp2.clip_grad_norm_ (2, 1, inf norms; empty shards too) returns the reference norm, clips like it."""
     run_ranks(_clip_body, world_size)
 
 
