@@ -5,7 +5,8 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import fully_shard
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = [
     "fully_shard",

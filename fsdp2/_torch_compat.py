@@ -97,3 +97,13 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a nested container, in flatten order."""
     leaves, _ = tree_flatten(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def premul_sum_op(scale: float) -> Any:
+    """A reduce op that multiplies every input by ``scale`` and sums (NCCL only).
+
+    Wraps ``torch.distributed._make_nccl_premul_sum`` (torch 1.13 - 2.13).
+    """
+    import torch.distributed as dist
+
+    return dist._make_nccl_premul_sum(scale)
