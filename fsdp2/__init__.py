@@ -6,7 +6,8 @@ keep the rest of the training script.
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .checkpoint import load_checkpoint, save_checkpoint
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import fully_shard
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 

@@ -132,6 +132,8 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     ``full_tensor()`` must undo TP's split first.
     """
     return _StridedShard(dim, split_factor=split_factor)
+
+
 def dispatch_mode_base() -> type:
     """``TorchDispatchMode``, the base class of modes that see every aten op.
 
@@ -141,3 +143,13 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def premul_sum_op(scale: float) -> Any:
+    """A reduce op that multiplies every input by ``scale`` and sums (NCCL only).
+
+    Wraps ``torch.distributed._make_nccl_premul_sum`` (torch 1.13 - 2.13).
+    """
+    import torch.distributed as dist
+
+    return dist._make_nccl_premul_sum(scale)

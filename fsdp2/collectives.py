@@ -136,28 +136,6 @@ def reduce_scatter_input(
     return flat.view(-1)
 
 
-def gradient_divide_factors(
-    reduce_dtype: torch.dtype, world_size: int
-) -> tuple[float | None, float | None, dist.ReduceOp.RedOpType]:
-    """``(pre-divide, post-divide, op)`` so that the reduction yields the mean over ranks.
-
-    The naive mean sums ``W`` gradients and divides once, which in a narrow
-    dtype (fp16: max 65504, and its smallest normals) can overflow in the sum
-    or underflow in a prior division. fp32 and bf16 have fp32's exponent
-    range, so the backend's AVG is exact enough and costs no extra kernel.
-    Other dtypes divide by a power of two ``p`` about ``sqrt(W)`` before the
-    sum (exact in binary floating point) and by ``W / p`` after it, so
-    neither the partial sums nor the inputs leave the representable range.
-    """
-    if reduce_dtype in (torch.float32, torch.bfloat16):
-        return None, None, dist.ReduceOp.AVG
-    pre = 1
-    while world_size % pre == 0 and world_size > pre * pre:
-        pre *= 2
-    post = world_size / pre
-    return (pre if pre != 1 else None), (post if post != 1 else None), dist.ReduceOp.SUM
-
-
 def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
     """Views of this rank's unpadded gradient rows in the reduce-scatter output."""
     views = []

@@ -1,8 +1,7 @@
-"""fully_shard(), FSDPModule, UnshardHandle and register_fsdp_forward_method."""
+"""fully_shard(): shard a module in place and make it an FSDPModule."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -21,6 +20,7 @@ from .mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .state import FSDPState, state_of
@@ -165,114 +165,6 @@ def fully_shard(
             _fsdp_classes[cls] = fsdp_cls
         m.__class__ = fsdp_cls
     return module
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
-
-    def __init__(self, groups: list[FSDPParamGroup]) -> None:
-        self._groups = groups
-
-    def wait(self) -> None:
-        """Block until the all-gather is done and the unsharded parameters are registered."""
-        for group in self._groups:
-            group.wait_for_unshard()
-        self._groups = []
-
-
-class FSDPModule:
-    """Mixin added to every module passed to :func:`fully_shard`."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Building an instance of the swapped class (e.g. nn.Sequential slicing
-        # calls type(self)(...)) yields the original class: FSDP state is only
-        # ever attached by fully_shard.
-        orig_cls = cls.__mro__[2]
-        obj = orig_cls.__new__(orig_cls, *args, **kwargs)
-        obj.__init__(*args, **kwargs)
-        return obj
-
-    def _fsdp_state(self) -> FSDPState:
-        state = state_of(self)
-        if state is None:
-            raise AssertionError(f"{type(self).__name__} is an FSDPModule without FSDP state")
-        return state
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones."""
-        group = self._fsdp_state().param_group
-        if group is not None:
-            group.reshard()
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather the parameters now (e.g. to prefetch before forward).
-
-        With ``async_op=True`` return an :class:`UnshardHandle`; call its
-        ``wait()`` before using the parameters. Forward waits on it too.
-        """
-        group = self._fsdp_state().param_group
-        if group is None:
-            return UnshardHandle([]) if async_op else None
-        group.unshard(async_op=async_op)
-        if async_op:
-            return UnshardHandle([group])
-        group.wait_for_unshard()
-        return None
-
-    def reset_iter_state(self) -> None:
-        """After an exception in forward or backward, make the next step start clean.
-
-        Call it on the root module: it reshards every group and drops
-        in-flight gradients and per-iteration bookkeeping.
-        """
-        self._fsdp_state().reset_iter_state()
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: whether backward all-reduces gradients over the replicate dim.
-
-        Turn it off for all but the last micro-batch of gradient accumulation:
-        gradients are still reduce-scattered over the shard dim and kept aside
-        (not on ``.grad``) until the next backward that all-reduces.
-        """
-        modules = self.modules() if recurse else (self,)
-        for module in modules:
-            state = state_of(module) if isinstance(module, FSDPModule) else None
-            if state is not None and state.param_group is not None:
-                state.param_group.all_reduce_grads = requires_all_reduce
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # to_empty(), .to() and friends replace local tensors: keep the
-        # sharded parameters views of the group's flat buffer afterwards.
-        self.reshard()
-        result = super()._apply(*args, **kwargs)
-        group = self._fsdp_state().param_group
-        if group is not None:
-            group.reset_sharded_params()
-        return result
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` unshard and reshard like ``forward``.
-
-    For methods that run the module's parameters outside ``forward`` (e.g.
-    ``generate``). A no-op for modules that are not FSDP modules.
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    state = state_of(module)
-    method = getattr(module, method_name, None)
-    if method is None or not callable(method):
-        raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register")
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        new = state._pre_forward(module, args, kwargs)
-        if new is not None:
-            args, kwargs = new
-        output = method(*args, **kwargs)
-        return state._post_forward(module, args, output)
-
-    setattr(module, method_name, wrapped)
 
 
 # ---- validation ---------------------------------------------------------------

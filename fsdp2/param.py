@@ -119,6 +119,7 @@ class FSDPParam:
         self.padded_full: torch.Tensor | None = None
         self._unsharded_data: torch.Tensor | None = None  # own storage when shard_dim > 0
         self.unsharded_param: nn.Parameter | None = None
+        self._held_grad: torch.Tensor | None = None  # no-sync gradients in the reduce dtype
         self._aliased: torch.Tensor | None = None  # the shard the unsharded param views (W=1)
         # Where the unsharded parameter differs from the sharded one (set by the
         # group): its dtype under mixed precision, its device under CPU offload.
@@ -366,18 +367,39 @@ class FSDPParam:
     # ---- gradients ------------------------------------------------------------
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Pop the gradient autograd wrote on the unsharded parameter."""
+        """Pop the gradient autograd wrote on the unsharded parameter (plus any held one)."""
         param = self.unsharded_param
-        if param is None or param.grad is None:
-            return None
-        grad = param.grad
+        grad = None if param is None else param.grad
+        if grad is not None:
+            param.grad = None
+            grad = self._local_grad(grad)
+        held, self._held_grad = self._held_grad, None
+        if held is None:
+            return grad
+        if grad is not None:
+            held.add_(grad)
+        return held
+
+    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.tp_spec is None:
+            return grad
+        # TP may leave e.g. a Partial gradient; reduce it over TP first.
+        if tuple(grad.placements) != self.tp_spec[1]:
+            grad = grad.redistribute(placements=self.tp_spec[1])
+        return local_tensor(grad)
+
+    def hold_grad_in(self, dtype: torch.dtype) -> None:
+        """Move the unsharded gradient aside, accumulated in ``dtype`` (no-sync micro-batches)."""
+        param = self.unsharded_param
+        grad = None if param is None else param.grad
+        if grad is None:
+            return
         param.grad = None
-        if self.tp_spec is not None:
-            # TP may leave e.g. a Partial gradient; reduce it over TP first.
-            if tuple(grad.placements) != self.tp_spec[1]:
-                grad = grad.redistribute(placements=self.tp_spec[1])
-            grad = local_tensor(grad)
-        return grad
+        grad = self._local_grad(grad)
+        if self._held_grad is None:
+            self._held_grad = grad.to(dtype)
+        else:
+            self._held_grad.add_(grad)
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Set or add this rank's reduced gradient rows on the sharded parameter."""

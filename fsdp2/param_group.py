@@ -26,11 +26,22 @@ nothing on the host reads them before the end of backward (no gradient to
 accumulate into); the end-of-backward callback waits for them, so the
 optimizer never sees a half-written gradient. On a CPU mesh every one of
 these copies is a no-op and the code path is the same.
+
+[Note: Gradient accumulation without sync]
+With ``reduce_grads`` off (``set_requires_gradient_sync(False)``) the
+post-backward skips the reduce-scatter and leaves each gradient on its
+unsharded parameter's ``.grad``: the unsharded parameter object is reused
+across unshards, so the next backward's autograd adds into the same tensor.
+The first post-backward with ``reduce_grads`` on reduces the accumulated sum
+in one reduce-scatter. Gradients accumulate in the parameter dtype; with a
+different reduce dtype ``_hold_unsharded_grads`` moves them aside into that
+dtype (once per micro-batch), as upstream accumulates them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -43,6 +54,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .mixed_precision import resolve_dtypes
 from .param import FSDPParam, ShardedState
+from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 
 logger = logging.getLogger("fsdp2.param_group")
 
@@ -88,6 +100,14 @@ class FSDPParamGroup:
         # HSDP: all-reduce gradients over the replicate group (off while accumulating)
         self.all_reduce_grads = True
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
+        # Control surface (FSDPModule.set_*); see module.py.
+        self.reduce_grads = True
+        self.unshard_in_backward = True
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
+        self._gradient_divide_factor: float | None = None
+        self._force_sum_reduction = False
+        self._reduce_plan: ReducePlan | None = None
         self.training_state = TrainingState.IDLE
         self.module_fqn = ""
         self.ctx = IterContext()
@@ -282,6 +302,30 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 
+    # ---- reduction settings ---------------------------------------------------
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        self._gradient_divide_factor = factor
+        self._reduce_plan = None
+
+    def set_force_sum_reduction(self, enable: bool) -> None:
+        self._force_sum_reduction = enable
+        self._reduce_plan = None
+
+    def _plan_for(self, dtype: torch.dtype) -> ReducePlan:
+        plan = self._reduce_plan
+        if plan is None or plan.dtype != dtype:
+            group = self.mesh_info.shard_process_group
+            plan = plan_gradient_reduction(
+                dtype,
+                self.mesh_info.shard_mesh_size,
+                self._gradient_divide_factor,
+                self._force_sum_reduction,
+                backend_supports_premul_sum(group, self.device),
+            )
+            self._reduce_plan = plan
+        return plan
+
     # ---- hooks ----------------------------------------------------------------
 
     def pre_forward(self) -> None:
@@ -304,14 +348,24 @@ class FSDPParamGroup:
             order.append(self)
         self.training_state = TrainingState.IDLE
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, default_prefetch: bool = True) -> bool:
+        """Unshard for this use's backward; returns False if this use already started it."""
         if self.training_state == TrainingState.PRE_BACKWARD:
-            return  # another output of the same use already triggered it
+            return False  # another output of the same use already triggered it
         logger.debug("pre_backward %s", self.module_fqn)
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
-        self.wait_for_unshard()
-        self._prefetch_previous()
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
+        if default_prefetch:
+            self._prefetch_previous()
+        return True
+
+    def prefetch(self, in_backward: bool) -> None:
+        """Start this group's all-gather early; its pre-forward/pre-backward waits for it."""
+        if in_backward and not self.unshard_in_backward:
+            return
+        self.unshard(async_op=True)
 
     def _prefetch_previous(self) -> None:
         # Backward runs groups in reverse forward order: start the all-gather
@@ -323,12 +377,17 @@ class FSDPParamGroup:
             return
         target = self.ctx.post_forward_order[index - 1]
         if target is not self:
-            target.unshard(async_op=True)
+            target.prefetch(in_backward=True)
 
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients of this use of the group."""
         logger.debug("post_backward %s", self.module_fqn)
         self.training_state = TrainingState.POST_BACKWARD
+        if not self.reduce_grads:
+            self._hold_unsharded_grads()
+            if self.reshard_after_backward:
+                self.reshard()
+            return
         with_grad: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
         for p in self.fsdp_params:
@@ -341,16 +400,37 @@ class FSDPParamGroup:
         if grads:
             self._reduce_scatter(with_grad, grads)
 
+    def _hold_unsharded_grads(self) -> None:
+        """Keep the unsharded gradients for the next backward to add to.
+
+        See [Note: Gradient accumulation without sync]. They stay in the
+        parameter dtype on the unsharded parameters' ``.grad``, unless a
+        different reduce dtype is set: then they are moved aside into it.
+        """
+        reduce_dtype = self.reduce_dtype
+        if reduce_dtype is None or reduce_dtype == (self.param_dtype or self.orig_dtype):
+            return
+        for p in self.fsdp_params:
+            p.hold_grad_in(reduce_dtype)
+
     def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
         reduce_dtype = self.reduce_dtype or grads[0].dtype
+        if any(g.dtype != reduce_dtype for g in grads) and self.reduce_dtype is not None:
+            grads[:] = [g.to(reduce_dtype) for g in grads]  # held (accumulated) and fresh mixed
+        plan = self._plan_for(reduce_dtype)  # see [Note: Gradient divide factors]
+        # One rank: SUM and AVG are the identity, so the collective can be skipped.
+        identity = world_size == 1 and plan.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
         with torch.no_grad():
             if (
-                world_size == 1
+                identity
                 and not hsdp
                 and not self.offload
-                and all(g.dtype == reduce_dtype == self.orig_dtype for g in grads)
+                and self.all_reduce_hook is None
+                and plan.pre_factor is None
+                and plan.post_factor is None
+                and all(g.dtype == self.orig_dtype for g in grads)
             ):  # the mean over one rank is the gradient itself
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
@@ -359,20 +439,24 @@ class FSDPParamGroup:
                 grads, fsdp_params, world_size, reduce_dtype
             )
             grads.clear()  # the copy-in is done: let the unsharded gradients go
-            if world_size == 1:  # one rank's input is already its own mean
+            if plan.pre_factor is not None:
+                rs_input.div_(plan.pre_factor)
+            if identity:
                 output = rs_input
             else:
-                pre, post, op = collectives.gradient_divide_factors(reduce_dtype, world_size)
-                if pre is not None:
-                    rs_input.div_(pre)
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(
-                    output, rs_input, self.mesh_info.shard_process_group, op
+                    output, rs_input, self.mesh_info.shard_process_group, plan.op
                 )
-                if post is not None:
-                    output.div_(post)
-            if hsdp and not self._all_reduce(output, fsdp_params):
-                return
+            if self.all_reduce_hook is not None and not hsdp:
+                self._call_all_reduce_hook(output)
+            if plan.post_factor is not None:
+                output.div_(plan.post_factor)
+            if hsdp:
+                if not self._all_reduce(output, fsdp_params):
+                    return
+                if self.all_reduce_hook is not None:  # HSDP: after the all-reduce
+                    self._call_all_reduce_hook(output)
             output = self._to_sharded_grad_storage(output, fsdp_params)
             for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
                 p.accumulate_sharded_grad(local)
@@ -425,19 +509,35 @@ class FSDPParamGroup:
             self._grad_offload_event.synchronize()
             self._grad_offload_event = None
 
-    def finish_iteration(self) -> None:
-        """End-of-backward cleanup: reduce what is left, reshard, reset state."""
-        if (
-            self.training_state != TrainingState.POST_BACKWARD
-            or self._is_unsharded
-            or self._pending_unshard is not None
-        ):
+    def _call_all_reduce_hook(self, output: torch.Tensor) -> None:
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        if stream is None or self.device.type == "cpu":
+            hook(output)  # CPU has a single stream: nothing to order
+            return
+        device_module = torch.get_device_module(self.device)
+        current = device_module.current_stream()
+        stream.wait_stream(current)
+        with device_module.stream(stream):
+            hook(output)
+        current.wait_stream(stream)
+
+    def finish_iteration(self, is_last_backward: bool = True) -> None:
+        """End-of-backward cleanup: reduce what is left, reset state.
+
+        Groups whose post-backward did not run (inputs that needed no grad,
+        outputs unused by the loss, modules not run) run it now. After the
+        last backward of a step, all-gathers prefetched for a use that never
+        came are dropped and the backward bookkeeping is cleared; with
+        ``is_last_backward=False`` it is kept for the next backward.
+        """
+        if self.training_state != TrainingState.POST_BACKWARD:
             self.post_backward()
-            self.reshard()
-        if self._grad_offload_event is not None:
-            self.wait_for_grad_offload()
+        self.wait_for_grad_offload()
         self.training_state = TrainingState.IDLE
-        self._post_forward_indices.clear()
+        if is_last_backward:
+            self._post_forward_indices.clear()
+            if self.reshard_after_backward or not self._is_unsharded:
+                self.reshard()  # also waits for and drops an unused prefetch
 
     def reset_iter_state(self) -> None:
         """Drop every per-iteration trace after a failed forward or backward."""

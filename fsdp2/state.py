@@ -2,17 +2,21 @@
 
 [Note: One training step]
 root pre-forward   lazy init once (root, FQNs, meta check, root keeps its
-                   parameters unsharded after forward unless told otherwise)
+                   parameters unsharded after forward unless told otherwise);
+                   wait for the user's post-optimizer event, if one was set
 pre-forward        cast floating inputs (mixed precision); unshard the group;
-                   wrap inputs that need grad in a function whose backward is
-                   this group's post-backward
+                   start the all-gathers of the explicit forward prefetch
+                   list; wrap inputs that need grad in a function whose
+                   backward is this group's post-backward
 post-forward       reshard if asked; record the forward order; hook outputs;
                    cast floating outputs (mixed precision)
 pre-backward       (first gradient reaching an output) unshard again if
-                   needed, prefetch the group that ran before in forward
+                   needed, prefetch the explicit backward prefetch list or, by
+                   default, the group that ran before in forward
 post-backward      reshard, reduce-scatter, accumulate sharded gradients
 final callback     (queued once per backward on the autograd engine) finish
                    groups whose inputs needed no grad, reset per-step state
+                   (the forward order is kept while is_last_backward is off)
 """
 
 from __future__ import annotations
@@ -39,13 +43,19 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 
 class _RootContext:
-    """Shared by every state under one root: what one iteration needs."""
+    """Shared by every state under one root: what one iteration needs.
+
+    Each state starts with its own; lazy init makes every state under the
+    root share the root's (settings made on a sub-module before that carry
+    over).
+    """
 
     def __init__(self, root: FSDPState) -> None:
         self.root = root
         self.all_states: list[FSDPState] = []
         self.iter_ctx = IterContext()
         self.callback_queued = False
+        self.is_last_backward = True
 
 
 class FSDPState:
@@ -65,8 +75,13 @@ class FSDPState:
         self._input_dtype = input_cast_dtype(mp_policy)
         self._output_dtype = mp_policy.output_dtype
         self.is_root: bool | None = None
-        self.root_ctx: _RootContext | None = None
+        self.root_ctx = _RootContext(self)
         self._modules_to_run: set[nn.Module] = set()
+        # Explicit prefetch lists (FSDPModule.set_modules_to_*_prefetch).
+        self.forward_prefetch: tuple[FSDPParamGroup, ...] = ()
+        self.backward_prefetch: tuple[FSDPParamGroup, ...] = ()
+        # Set on the root only: waited for in the next root pre-forward.
+        self.post_optim_event: Any = None
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -85,7 +100,8 @@ class FSDPState:
                 "call fully_shard on the model's root module and run forward through it"
             )
         root_module = self.modules[0]
-        ctx = _RootContext(self)
+        ctx = self.root_ctx
+        ctx.all_states = []
         module_fqns: dict[nn.Module, str] = {}
         for name, module in root_module.named_modules():
             module_fqns.setdefault(module, name)
@@ -97,11 +113,12 @@ class FSDPState:
                     f"FSDP module '{name}' already ran forward as its own root before "
                     f"'{type(root_module).__name__}'; run the first forward through the root module"
                 )
+            if state is not self:
+                self._adopt_settings(state)
             state.is_root = state is self
             state.root_ctx = ctx
             ctx.all_states.append(state)
         self.is_root = True
-        self.root_ctx = ctx
         if self.auto_reshard_after_forward and self.param_group is not None:
             # The root is needed first in backward; resharding it would only
             # cost an extra all-gather.
@@ -122,6 +139,29 @@ class FSDPState:
         logger.debug("lazy init: root %s with %d FSDP states", type(root_module).__name__,
                      len(ctx.all_states))
 
+    def _adopt_settings(self, state: FSDPState) -> None:
+        """Carry root-level settings made on ``state`` before lazy init over to this root."""
+        own = state.root_ctx
+        if not own.is_last_backward:
+            self.root_ctx.is_last_backward = False
+        if state.post_optim_event is not None and self.post_optim_event is None:
+            self.post_optim_event = state.post_optim_event
+        state.post_optim_event = None
+
+    # ---- control surface (called by FSDPModule) ---------------------------------
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self.root_ctx.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event: Any) -> None:
+        self.root_ctx.root.post_optim_event = event
+
+    def _wait_post_optim_event(self) -> None:
+        # All-gathers run on the current stream, so that stream waits for the
+        # event; on CPU ``wait()`` is a no-op. Each event is used once.
+        event, self.post_optim_event = self.post_optim_event, None
+        event.wait()
+
     # ---- forward hooks --------------------------------------------------------
 
     def _pre_forward(
@@ -139,15 +179,18 @@ class FSDPState:
             return cast
         if self.is_root is None:
             self._lazy_init()
+        if self.post_optim_event is not None:
+            self._wait_post_optim_event()
         first_in_group = not self._modules_to_run
         if len(self.modules) > 1:
             if not first_in_group:
                 return cast
             self._modules_to_run.update(self.modules)
-        if group is None:
-            return cast
-        group.pre_forward()
-        if torch.is_grad_enabled():
+        if group is not None:
+            group.pre_forward()
+        for target in self.forward_prefetch:
+            target.prefetch(in_backward=False)
+        if group is not None and torch.is_grad_enabled():
             return _register_post_backward(group, args, kwargs) or cast
         return cast
 
@@ -189,28 +232,40 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.root_ctx
-        if ctx is not None and not ctx.callback_queued:
+        if not ctx.callback_queued:
             ctx.callback_queued = True
             queue_backward_callback(ctx.root._final_callback)
-        if self.param_group is not None:
-            self.param_group.pre_backward()
+        group = self.param_group
+        explicit = self.backward_prefetch
+        if group is not None and not group.pre_backward(default_prefetch=not explicit):
+            return None  # this use's backward already started
+        for target in explicit:
+            target.prefetch(in_backward=True)
         return None
 
     def _final_callback(self) -> None:
         """After the whole backward: reduce what is left and reset for the next step."""
         ctx = self.root_ctx
+        is_last = ctx.is_last_backward
         for state in reversed(ctx.all_states):
             if state.param_group is not None:
-                state.param_group.finish_iteration()
-        ctx.iter_ctx.post_forward_order.clear()
+                state.param_group.finish_iteration(is_last)
+        if is_last:
+            ctx.iter_ctx.post_forward_order.clear()
         ctx.callback_queued = False
 
     def reset_iter_state(self) -> None:
         """Drop every per-iteration trace (after an exception in forward or backward)."""
         if self.is_root is False:
-            raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
-        if self.root_ctx is None:
-            return
+            root = self.root_ctx.root.modules[0]
+            where = self.param_group.module_fqn if self.param_group is not None else ""
+            raise RuntimeError(
+                f"reset_iter_state() must be called on the root FSDP module, not on "
+                f"'{where or type(self.modules[0]).__name__}': call it on the "
+                f"{type(root).__name__} that fully_shard was applied to last (the model)"
+            )
+        if self.is_root is None:
+            return  # no forward ran yet: nothing to reset
         for state in self.root_ctx.all_states:
             state._modules_to_run.clear()
             if state.param_group is not None:

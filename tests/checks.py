@@ -74,9 +74,29 @@ _REDUCE_SCATTERS = (
 )
 
 
+def _collective_numel(kind: str, args: tuple, kwargs: dict) -> int:
+    """All-gather output / reduce-scatter input numel: the group's padded full size."""
+    if kind == "all_gather":
+        t = args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
+    else:
+        t = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+    if isinstance(t, (list, tuple)):
+        return sum(x.numel() for x in t)
+    return t.numel()
+
+
+def _collective_op(args: tuple, kwargs: dict):
+    return kwargs.get("op", args[2] if len(args) > 2 else dist.ReduceOp.SUM)
+
+
 @contextlib.contextmanager
-def count_collectives():
-    """Count public torch.distributed all-gather / reduce-scatter calls (nested calls count once)."""
+def count_collectives(log: list | None = None):
+    """Count public torch.distributed all-gather / reduce-scatter calls (nested calls count once).
+
+    With ``log``, also append one entry per call in issue order:
+    ``("all_gather", numel)`` or ``("reduce_scatter", numel, op)``, numel being
+    the all-gather output's / reduce-scatter input's.
+    """
     counts = {"all_gather": 0, "reduce_scatter": 0}
     depth = {"all_gather": 0, "reduce_scatter": 0}
     saved = {}
@@ -88,6 +108,11 @@ def count_collectives():
         def wrapper(*args, **kwargs):
             if depth[kind] == 0:
                 counts[kind] += 1
+                if log is not None:
+                    entry = (kind, _collective_numel(kind, args, kwargs))
+                    if kind == "reduce_scatter":
+                        entry += (_collective_op(args, kwargs),)
+                    log.append(entry)
             depth[kind] += 1
             try:
                 return orig(*args, **kwargs)

@@ -54,6 +54,100 @@ def mlp_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
+# ---------------------------------------------------------------- traced chain
+
+
+class _Trace(torch.autograd.Function):
+    """Identity that appends ("fwd", name) to ``log`` when run, ("bwd", name) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, log, name):
+        ctx.log, ctx.name = log, name
+        log.append(("fwd", name))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("bwd", ctx.name))
+        return grad, None, None
+
+
+class TracedLinear(nn.Linear):
+    """tanh(Linear) whose output records in ``log`` when forward ran and when backward reached it."""
+
+    def __init__(self, in_dim: int, out_dim: int, name: str, log: list):
+        super().__init__(in_dim, out_dim)
+        self.name = name
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Trace.apply(torch.tanh(super().forward(x)), self.log, self.name)
+
+
+class Chain(nn.Module):
+    """5 -> 6 -> 7 -> 8 -> 9 traced layers ``L0..L3`` and a 9 -> 1 ``head``.
+
+    Every layer has a different size, so each FSDP group's collectives have a
+    distinct numel at any world size up to 4 (see ``group_numel``): a log of
+    collectives says which group each one served. ``log`` (shared by the
+    layers) records the layers' forward and backward in order.
+    """
+
+    DIMS = (5, 6, 7, 8, 9)
+
+    def __init__(self):
+        super().__init__()
+        self.log: list = []
+        dims = self.DIMS
+        self.layers = nn.ModuleList(
+            TracedLinear(dims[i], dims[i + 1], f"L{i}", self.log) for i in range(len(dims) - 1)
+        )
+        self.head = nn.Linear(dims[-1], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_chain(seed: int = 0) -> Chain:
+    """A Chain whose initial values depend only on ``seed``."""
+    torch.manual_seed(seed)
+    return Chain()
+
+
+def chain_batch(step: int, batch: int, seed: int = 99):
+    """A deterministic (inputs, targets) regression batch for a Chain."""
+    return mlp_batch(step, batch, in_dim=Chain.DIMS[0], out_dim=1, seed=seed)
+
+
+def shard_chain(model: Chain, fully_shard, **kwargs) -> Chain:
+    """fully_shard each layer, then the root (which holds ``head``)."""
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def group_numel(module: nn.Module, world_size: int, exclude=()) -> int:
+    """Elements of one group's all-gather output / reduce-scatter input (dim 0 padded to W)."""
+    skip = {id(p) for m in exclude for p in m.parameters()}
+    total = 0
+    for p in module.parameters():
+        if id(p) not in skip:
+            rows = -(-p.shape[0] // world_size)
+            total += rows * world_size * (p.numel() // p.shape[0])
+    return total
+
+
+def chain_group_names(model: Chain, world_size: int) -> dict[int, str]:
+    """numel -> group name ("L0".."L3", "root") for a Chain sharded by ``shard_chain``."""
+    names = {group_numel(layer, world_size): layer.name for layer in model.layers}
+    names[group_numel(model, world_size, exclude=model.layers)] = "root"
+    assert len(names) == len(model.layers) + 1, f"group sizes collide at W={world_size}"
+    return names
+
+
 # ---------------------------------------------------------------- transformer
 
 

@@ -1,0 +1,365 @@
+"""FSDPModule (the control surface of every sharded module), UnshardHandle, forward methods.
+
+``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule,
+original class)``, so every method here is available on the module itself.
+The setters only record a choice on the module's FSDP state or parameter
+group; the hooks read it on the next use. Methods taking ``recurse`` apply to
+every FSDP module in the subtree; the others to this module's group only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .param_group import FSDPParamGroup
+from .state import FSDPState, state_of
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+
+class UnshardHandle:
+    """A handle on an :meth:`FSDPModule.unshard` all-gather started with ``async_op=True``."""
+
+    def wait(self) -> None:
+        """Wait for the all-gather; afterwards the unsharded parameters are registered.
+
+        Optional before the module's forward, which waits by itself.
+        """
+
+
+class _GroupUnshardHandle(UnshardHandle):
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None  # do not keep the group alive
+
+
+class FSDPModule:
+    """Mixin added to every module passed to :func:`fully_shard`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Building an instance of the swapped class (e.g. nn.Sequential slicing
+        # calls type(self)(...)) yields the original class: FSDP state is only
+        # ever attached by fully_shard.
+        orig_cls = cls.__mro__[2]
+        obj = orig_cls.__new__(orig_cls, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)
+        if state is None:
+            raise AssertionError(f"{type(self).__name__} is an FSDPModule without FSDP state")
+        return state
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        """This module's FSDP state and, with ``recurse``, those of FSDP modules below it."""
+        if not recurse:
+            return [self._fsdp_state()]
+        states: dict[FSDPState, None] = {}
+        for module in self.modules():
+            state = state_of(module)
+            if state is not None:
+                states.setdefault(state)
+        return list(states)
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.param_group for s in self._states(recurse) if s.param_group is not None]
+
+    # ---- unshard / reshard ------------------------------------------------------
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (not recursive)."""
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now and register them unsharded (not recursive).
+
+        The module's next forward uses them without a second all-gather. With
+        ``async_op=True`` the all-gather runs in the background and an
+        :class:`UnshardHandle` is returned; the forward waits for it, or call
+        its ``wait()`` to use the parameters before that. Otherwise this
+        returns ``None`` once the parameters are registered.
+        """
+        _check_bool(async_op, "unshard", "async_op")
+        state = self._fsdp_state()
+        group = state.param_group
+        if group is not None:
+            if state.is_root is None:  # before the first forward's lazy init
+                group.check_materialized()
+            group.unshard(async_op=async_op)
+        handle = _GroupUnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward, make the next step start clean.
+
+        Call it on the root module (``RuntimeError`` otherwise): it waits for
+        in-flight all-gathers, reshards every group and drops per-iteration
+        bookkeeping. The failed step's unreduced gradients are dropped,
+        including those held by ``set_requires_gradient_sync(False)``: restart
+        an accumulation sequence. Gradients already reduced onto the sharded
+        parameters stay; call ``optimizer.zero_grad()`` to drop them too.
+        """
+        self._fsdp_state().reset_iter_state()
+
+    # ---- schedule ---------------------------------------------------------------
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules``' parameters, in order, right after this module's in forward.
+
+        Each listed module's own pre-forward then waits for its all-gather
+        instead of issuing one. ``[next_module]`` issues the default order's
+        next all-gather earlier; two or more overlap more at the cost of memory.
+        """
+        self._fsdp_state().forward_prefetch = _prefetch_groups(
+            modules, "set_modules_to_forward_prefetch"
+        )
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules``' parameters, in order, right after this module's in backward.
+
+        Replaces the default for this module (prefetching the module that ran
+        just before it in forward); ``[]`` restores the default.
+        """
+        self._fsdp_state().backward_prefetch = _prefetch_groups(
+            modules, "set_modules_to_backward_prefetch"
+        )
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after forward (and gather again in backward).
+
+        Overrides the ``fully_shard`` argument, including the root's default
+        of ``False``; e.g. ``False`` for evaluation, ``True`` again for training.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        _check_bool(recurse, "set_reshard_after_forward", "recurse")
+        for state in self._states(recurse):
+            state.auto_reshard_after_forward = False
+            if state.param_group is not None:
+                state.param_group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free the unsharded parameters after backward.
+
+        ``False`` keeps them for the next forward (no all-gather there), e.g.
+        between gradient-accumulation micro-batches; they are stale after an
+        optimizer step, so turn it back on for the last micro-batch.
+        """
+        _check_bool(reshard_after_backward, "set_reshard_after_backward", "reshard_after_backward")
+        _check_bool(recurse, "set_reshard_after_backward", "recurse")
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters (not recursive).
+
+        ``False`` is for modules whose backward does not read their parameters
+        (e.g. an embedding): their gradients are still reduced.
+        """
+        _check_bool(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (default ``True``).
+
+        With ``False`` (e.g. pipeline micro-batches run several backwards after
+        their forwards) the end of backward keeps the forward order that drives
+        backward prefetching for the backwards still to come.
+        """
+        _check_bool(is_last_backward, "set_is_last_backward", "is_last_backward")
+        self._fsdp_state().set_is_last_backward(is_last_backward)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """An event recorded after the optimizer step for the next forward's all-gathers to wait on.
+
+        By default the root's first all-gather is ordered after everything
+        already queued on the current stream; with an event it waits only for
+        that event. Used once: set a new event every step. On CPU the wait is
+        a no-op.
+        """
+        if not callable(getattr(event, "wait", None)):
+            raise ValueError(
+                f"set_post_optim_event expects an event with a wait() method (torch.Event), "
+                f"got {type(event).__name__}"
+            )
+        self._fsdp_state().set_post_optim_event(event)
+
+    # ---- gradient reduction -------------------------------------------------------
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduces gradients (``False``: accumulate locally, no communication).
+
+        While off, each backward adds to the unsharded gradients kept on every
+        rank; the next backward with it on reduce-scatters the sum once per
+        group. The equivalent of ``no_sync()`` in DDP and FSDP1.
+        """
+        _check_bool(
+            requires_gradient_sync, "set_requires_gradient_sync", "requires_gradient_sync"
+        )
+        _check_bool(recurse, "set_requires_gradient_sync", "recurse")
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces gradients over the replicate dim.
+
+        Turn it off for all but the last micro-batch of gradient accumulation:
+        gradients are still reduce-scattered over the shard dim and kept aside
+        (not on ``.grad``) until the next backward that all-reduces.
+        """
+        _check_bool(requires_all_reduce, "set_requires_all_reduce", "requires_all_reduce")
+        _check_bool(recurse, "set_requires_all_reduce", "recurse")
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the world size (not recursive)."""
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or factor <= 0
+        ):
+            raise ValueError(
+                f"set_gradient_divide_factor expects a positive finite number, got {factor!r}"
+            )
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.set_gradient_divide_factor(float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated: use :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use only ``SUM`` in the collectives and divide separately (not recursive).
+
+        See [Note: Gradient divide factors] in ``reduce_op.py``.
+        """
+        _check_bool(enable, "set_force_sum_reduction_for_comms", "enable")
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.set_force_sum_reduction(enable)
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.Stream | None = None,
+    ) -> None:
+        """Call ``hook(reduce_output)`` on this module's reduced gradients (not recursive).
+
+        ``reduce_output`` is this rank's flat reduce-scatter output for the
+        whole group (with padding), before any post-division; the hook may
+        modify it in place, e.g. to all-reduce it over another group (custom
+        HSDP). ``stream``: the accelerator stream to run it on (default: the
+        current one). ``None`` as ``hook`` removes it.
+        """
+        if hook is not None and not callable(hook):
+            raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        if stream is not None and not callable(getattr(stream, "wait_stream", None)):
+            raise ValueError(
+                f"set_all_reduce_hook expects stream to be a stream or None, got "
+                f"{type(stream).__name__}"
+            )
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.all_reduce_hook = hook
+            group.all_reduce_hook_stream = stream
+
+    # ---- nn.Module integration ------------------------------------------------------
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty(), .to() and friends replace local tensors: keep the
+        # sharded parameters views of the group's flat buffer afterwards.
+        self.reshard()
+        result = super()._apply(*args, **kwargs)
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.reset_sharded_params()
+        return result
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` unshard and reshard like ``forward``.
+
+    For methods that run the module's parameters outside ``forward`` (e.g.
+    ``generate``). A no-op for modules that are not FSDP modules.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register")
+
+    @functools.wraps(method)
+    def wrapped(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
+        state = self._fsdp_state()
+        new = state._pre_forward(self, args, kwargs)
+        if new is not None:
+            args, kwargs = new
+        output = method(*args, **kwargs)
+        return state._post_forward(self, args, output)
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _check_bool(value: Any, method: str, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{method}: {name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _prefetch_groups(modules: Iterable[Any], method: str) -> tuple[FSDPParamGroup, ...]:
+    """The parameter groups of a prefetch list, after checking it names FSDP modules only."""
+    if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(
+            f"{method} expects a list of FSDP modules, got a single {type(modules).__name__}; "
+            "pass [module]"
+        )
+    try:
+        items = list(modules)
+    except TypeError:
+        raise ValueError(
+            f"{method} expects a list of FSDP modules, got {type(modules).__name__}"
+        ) from None
+    groups = []
+    for i, module in enumerate(items):
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"{method}: item {i} ({type(module).__name__}) is not an FSDP module; "
+                "call fully_shard on it first, or leave it out of the list"
+            )
+        group = module._fsdp_state().param_group
+        if group is not None:
+            groups.append(group)
+    return tuple(groups)

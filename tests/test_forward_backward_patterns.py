@@ -1,0 +1,178 @@
+"""Forward/backward patterns beyond one forward + one backward, and extra forward methods.
+
+Several forwards before one backward, a backward reaching only some outputs,
+two backwards through one graph (``retain_graph=True``), and a registered
+``generate`` method: gradients and outputs match an unsharded reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _impl import fully_shard, register_fsdp_forward_method
+from _multiproc import run_ranks
+from checks import ATOL, RTOL, assert_sharded, count_collectives, make_opts
+from models import (
+    MLP,
+    assert_grads_match,
+    assert_params_match,
+    build_chain,
+    chain_batch,
+    cpu_mesh,
+    make_pair,
+    mlp_batch,
+    mlp_loss,
+    rank_slice,
+    shard_chain,
+)
+
+WORLD_SIZES = [2, 4]
+
+
+def _several_forwards_body(rank, world_size):
+    for raf in (True, False, None):
+        ref, model = make_pair(build_chain)
+        shard_chain(model, fully_shard, mesh=cpu_mesh(), reshard_after_forward=raf)
+        micro = [chain_batch(i, 2 * world_size) for i in range(2)]
+        sum(mlp_loss(model, rank_slice(b, rank, world_size)) for b in micro).backward()
+        sum(mlp_loss(ref, b) for b in micro).backward()
+        assert_grads_match(ref, model, RTOL, ATOL)
+        assert_sharded(model, rank, world_size, f"raf={raf}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_several_forwards_then_one_backward(world_size):
+    """Two micro-batches forwarded, their losses summed, one backward: reference grads (every raf)."""
+    run_ranks(_several_forwards_body, world_size)
+
+
+class _TwoHeads(nn.Module):
+    """A trunk feeding a main head and an auxiliary head; returns both outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(7, 6)
+        self.main = nn.Linear(6, 1)
+        self.aux = nn.Linear(6, 3)
+        self.scale = nn.Linear(6, 6)  # root-owned, used by both heads' inputs
+
+    def forward(self, x):
+        h = torch.tanh(self.scale(torch.tanh(self.trunk(x))))
+        return self.main(h), self.aux(h)
+
+
+def _partial_body(rank, world_size):
+    for raf in (True, False):
+        torch.manual_seed(0)
+        ref = _TwoHeads()
+        model = copy.deepcopy(ref)
+        for m in (model.trunk, model.main, model.aux, model):
+            fully_shard(m, mesh=cpu_mesh(), reshard_after_forward=raf)
+        opts = make_opts(ref, model)
+        for step, use in enumerate(["main", "aux", "both"]):
+            x, y = mlp_batch(step, 2 * world_size)
+
+            def loss_fn(m, x, y, use=use):
+                main, aux = m(x)
+                parts = {"main": F.mse_loss(main, y), "aux": aux.pow(2).mean()}
+                return sum(parts.values()) if use == "both" else parts[use]
+
+            loss_fn(ref, x, y).backward()
+            loss_fn(model, *rank_slice((x, y), rank, world_size)).backward()
+            assert_grads_match(ref, model, RTOL, ATOL)  # the unused head: no grad on either
+            assert_sharded(model, rank, world_size, f"raf={raf} step={step} ({use})")
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        assert_params_match(ref, model, RTOL, ATOL)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_backward_through_part_of_the_outputs(world_size):
+    """A loss on one of two outputs (an FSDP head unused): reference grads, unused head gets none."""
+    run_ranks(_partial_body, world_size)
+
+
+def _retain_graph_body(rank, world_size):
+    ref, model = make_pair(build_chain)
+    shard_chain(model, fully_shard, mesh=cpu_mesh())
+    batch = chain_batch(0, 2 * world_size)
+    loss = mlp_loss(model, rank_slice(batch, rank, world_size))
+    counts = []
+    for retain in (True, False):
+        with count_collectives() as bwd:
+            loss.backward(retain_graph=retain)
+        counts.append(dict(bwd))
+        assert_sharded(model, rank, world_size, f"after backward (retain_graph={retain})")
+    ref_loss = mlp_loss(ref, batch)
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    assert_grads_match(ref, model, RTOL, ATOL)
+    return counts
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_two_backwards_with_retain_graph(world_size):
+    """backward(retain_graph=True) then backward(): grads doubled like the reference; all regathered."""
+    counts = run_ranks(_retain_graph_body, world_size)[0]
+    # the root keeps its parameters after forward, but not after the first backward
+    assert counts == [
+        {"all_gather": 4, "reduce_scatter": 5},
+        {"all_gather": 5, "reduce_scatter": 5},
+    ], counts
+
+
+class _Decoder(MLP):
+    """``generate`` runs the layers outside ``forward``, using the root-owned ``out_proj``."""
+
+    def generate(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        outputs = []
+        for _ in range(steps):
+            h = torch.tanh(self.mid_proj(torch.tanh(self.in_proj(x))))
+            y = self.out_proj(h)
+            outputs.append(y)
+            x = torch.cat([x[:, 1:], y], dim=1)
+        return torch.cat(outputs, dim=1)
+
+
+def _generate_body(rank, world_size):
+    torch.manual_seed(0)
+    ref = _Decoder()
+    model = copy.deepcopy(ref)
+    mesh = cpu_mesh()
+    fully_shard(model.in_proj, mesh=mesh)
+    fully_shard(model.mid_proj, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "generate")
+    register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # not an FSDP module: no-op
+    with pytest.raises(ValueError, match="decode"):
+        register_fsdp_forward_method(model, "decode")
+    x, _ = rank_slice(mlp_batch(0, 2 * world_size), rank, world_size)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), count_collectives() as counts:
+            out = model.generate(x, steps=3)
+        # the root once, the two layers per step (they reshard after each use)
+        assert counts["all_gather"] == 1 + 2 * 3, counts
+        with torch.set_grad_enabled(grad):
+            ref_out = ref.generate(x, steps=3)
+        torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+        if grad:
+            out.pow(2).mean().backward()
+            ref_out.pow(2).mean().backward()  # on the same slice: local grads
+            for p in ref.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world_size
+            assert_grads_match(ref, model, RTOL, ATOL)
+            assert_sharded(model, rank, world_size, "after generate's backward")
+    # training through forward still works afterwards
+    mlp_loss(model, (x, x[:, :1])).backward()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_register_fsdp_forward_method_generate(world_size):
+    """A registered generate() (layers and root params outside forward) matches the reference, grads too."""
+    run_ranks(_generate_body, world_size)
