@@ -59,6 +59,12 @@ class FSDPState:
         self.is_root: bool | None = None
         self.root_ctx: _RootContext | None = None
         self._modules_to_run: set[nn.Module] = set()
+        # Hooks stay eager under torch.compile (they swap parameters and run
+        # collectives): dynamo skips them, so a compiled block traces only its
+        # own compute. Instance attributes, so every caller gets these.
+        self._pre_forward = torch.compiler.disable(self._pre_forward)
+        self._post_forward = torch.compiler.disable(self._post_forward)
+        self._pre_backward = torch.compiler.disable(self._pre_backward)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
