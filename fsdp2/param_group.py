@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
+from . import collectives, staged_collectives
 from ._torch_compat import local_tensor
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .param import FSDPParam, ShardedState
@@ -77,12 +77,23 @@ class FSDPParamGroup:
         self.ctx = IterContext()
         self._post_forward_indices: list[int] = []
         self._pending_unshard: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._pending_staged: staged_collectives.StagedAllGather | None = None
         self._is_unsharded = False
+        # Set by FSDPModule.set_custom_all_gather / set_custom_reduce_scatter.
+        self.all_gather_comm: staged_collectives.AllGather | None = None
+        self.reduce_scatter_comm: staged_collectives.ReduceScatter | None = None
+        self._has_extensions = any(p.extension is not None for p in fsdp_params)
+        if self._has_extensions and post_forward_mesh_info is not None:
+            raise NotImplementedError(
+                "reshard_after_forward=<int> is not supported with all-gather extensions "
+                f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
+                "pass True or False"
+            )
         self._offsets = []
         offset = 0
         for p in fsdp_params:
             self._offsets.append(offset)
-            offset += p.padded_shard_numel
+            offset += p.flat_numel
         self._total_shard_numel = offset
         on_meta = any(src.is_meta for src in sources)
         buffer_device = torch.device("meta") if on_meta else device
@@ -94,7 +105,7 @@ class FSDPParamGroup:
 
     def _slot(self, index: int) -> torch.Tensor:
         start = self._offsets[index]
-        return self._sharded_flat[start : start + self.fsdp_params[index].padded_shard_numel]
+        return self._sharded_flat[start : start + self.fsdp_params[index].flat_numel]
 
     def reset_sharded_params(self) -> None:
         """Re-establish the sharded parameters as views of the flat buffer.
@@ -135,9 +146,12 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
-        if self._is_unsharded or self._pending_unshard is not None:
+        if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
             return
         world_size = self.mesh_info.shard_mesh_size
+        if self._has_extensions or (self.all_gather_comm is not None and world_size > 1):
+            self._unshard_staged(async_op)
+            return
         if world_size == 1:  # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
                 p.alias_shard()
@@ -155,8 +169,49 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def _unshard_staged(self, async_op: bool) -> None:
+        """All-gather through a copy-in (see [Note: Staged all-gather])."""
+        inputs = []
+        for i, p in enumerate(self.fsdp_params):
+            if p.extension is None:
+                inputs.append([self._slot(i)])
+                continue
+            local = local_tensor(p.sharded_param)
+            inputs.append(
+                p.extension.pre_all_gather(
+                    local, p.orig_size, p.orig_stride, p.shard_rows, p.fqn
+                )
+            )
+        self._pending_staged = staged_collectives.all_gather(
+            self.fsdp_params,
+            inputs,
+            self.mesh_info.shard_process_group,
+            self.mesh_info.shard_mesh_rank,
+            self.mesh_info.shard_mesh_size,
+            self.all_gather_comm,
+            async_op,
+        )
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _wait_for_staged(self) -> None:
+        staged, self._pending_staged = self._pending_staged, None
+        if staged.work is not None:
+            staged.work.wait()
+        staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
+        for p in self.fsdp_params:
+            if p.extension is not None:
+                p.unshard_extension(p.dtype)
+            else:
+                p.finish_copy_out()
+            p.to_unsharded()
+        self._is_unsharded = True
+
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
+        if self._pending_staged is not None:
+            self._wait_for_staged()
+            return
         if self._pending_unshard is None:
             return
         work, output = self._pending_unshard
@@ -173,6 +228,10 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._post_forward_flat = None
+        if self._pending_staged is not None:
+            staged, self._pending_staged = self._pending_staged, None
+            if staged.work is not None:
+                staged.work.wait()
         if self._pending_unshard is not None:
             work, _ = self._pending_unshard
             self._pending_unshard = None
@@ -275,6 +334,11 @@ class FSDPParamGroup:
             if world_size == 1:  # HSDP without sharding: only the all-reduce remains
                 output = torch.cat([g.reshape(-1) for g in grads])
                 grads.clear()
+            elif self.reduce_scatter_comm is not None:
+                output = staged_collectives.reduce_scatter(
+                    self.reduce_scatter_comm, grads, fsdp_params, world_size,
+                    self.mesh_info.shard_process_group, dist.ReduceOp.AVG,
+                )
             else:
                 rs_input = collectives.reduce_scatter_input(grads, fsdp_params, world_size)
                 grads.clear()  # the unsharded gradients die here, before the collective
@@ -315,6 +379,7 @@ class FSDPParamGroup:
             self.training_state != TrainingState.POST_BACKWARD
             or self._is_unsharded
             or self._pending_unshard is not None
+            or self._pending_staged is not None
         ):
             self.post_backward()
             self.reshard()
