@@ -10,9 +10,9 @@ A sharded parameter's local tensor may be a tensor subclass defining
 
 (``fsdp_pre_all_gather(mesh)`` alone is accepted too, as upstream does.)
 Before each all-gather the pre hook turns this rank's shard into the tensors
-to send, e.g. int8 data plus per-row scales instead of fp32. Each input must
-have the *padded* shard's size where dim 0 does not divide evenly (every rank
-sends the same number of elements). FSDP gathers all inputs of the group in
+to send, e.g. int8 data plus per-row scales instead of fp32. On a rank whose
+shard is shorter than the padded shard (dim 0 not divisible by ``W``), every
+input must have the padded shard's size, as upstream requires. FSDP gathers all inputs of the group in
 one collective (as bytes when their dtypes differ) and hands each hook the
 gathered tensors, dim 0 being ``W`` times the input's. The first post hook
 returns the unsharded tensor (padded rows allowed; FSDP views the first
@@ -86,7 +86,7 @@ class ExtensionState:
         local: torch.Tensor,
         outer_size: torch.Size,
         outer_stride: tuple[int, ...],
-        padded_rows: int,
+        padded_size: torch.Size,
         fqn: str,
     ) -> list[torch.Tensor]:
         """Run the pre hook; return its inputs flattened (1-D, contiguous)."""
@@ -98,11 +98,14 @@ class ExtensionState:
                 self.mesh, outer_size, outer_stride, self.module, self.mp_policy
             )
         inputs = list(inputs)
-        if local.size(0) != padded_rows and any(t.size(0) != padded_rows for t in inputs):
+        # Like upstream: a rank holding fewer rows than the padded shard must send
+        # inputs of exactly the padded shard's size (so every rank sends as much).
+        if local.size() != padded_size and any(t.size() != padded_size for t in inputs):
             raise ValueError(
-                f"Parameter '{fqn}' is sharded unevenly ({local.size(0)} of {padded_rows} "
-                f"padded rows on this rank): {_PRE} must return inputs with {padded_rows} "
-                f"rows (pad with zeros), got sizes {[tuple(t.shape) for t in inputs]}"
+                f"Parameter '{fqn}' is sharded unevenly (local {tuple(local.shape)}, padded "
+                f"{tuple(padded_size)}): {_PRE} must then return inputs of the padded "
+                f"size, got {[tuple(t.shape) for t in inputs]}; pad them, or shard a "
+                "dim 0 that divides evenly by the shard mesh size"
             )
         self.input_sizes = [t.size() for t in inputs]
         return [t.reshape(-1) for t in inputs]

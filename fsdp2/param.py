@@ -209,7 +209,8 @@ class FSDPParam:
     def unshard_extension(self, param_dtype: torch.dtype) -> None:
         """After copy-out: build (first time) or refill the unsharded parameter via the post hook."""
         local = local_tensor(self.sharded_param)
-        tensor = self.extension.post_all_gather(local, param_dtype, self.unsharded_param)
+        with torch.no_grad():  # the hook may write the parameter in place (out=)
+            tensor = self.extension.post_all_gather(local, param_dtype, self.unsharded_param)
         if tensor is not None:
             view = torch.as_strided(tensor, self.orig_size, self.orig_stride, 0)
             self.unsharded_param = nn.Parameter(view, requires_grad=False)

@@ -179,7 +179,8 @@ class FSDPParamGroup:
             local = local_tensor(p.sharded_param)
             inputs.append(
                 p.extension.pre_all_gather(
-                    local, p.orig_size, p.orig_stride, p.shard_rows, p.fqn
+                    local, p.orig_size, p.orig_stride,
+                    torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
                 )
             )
         self._pending_staged = staged_collectives.all_gather(
