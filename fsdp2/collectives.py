@@ -111,15 +111,23 @@ def reduce_scatter_input(
     fsdp_params: list[FSDPParam],
     world_size: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked, in ``dtype``)."""
-    if len(grads) == 1:
+    """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked, in ``dtype``).
+
+    ``out`` (flat, e.g. from a custom comm's ``allocate``) receives it instead
+    of a new buffer.
+    """
+    if len(grads) == 1 and out is None:
         grad, param = grads[0], fsdp_params[0]
         even = param.padded_shard_numel * world_size == param.numel
         if param.shard_dim == 0 and grad.dtype == dtype and grad.is_contiguous() and even:
             return grad.view(-1)
     total = sum(p.padded_shard_numel for p in fsdp_params)
-    flat = torch.empty((world_size, total), dtype=dtype, device=grads[0].device)
+    if out is not None:
+        flat = out.view(world_size, total)
+    else:
+        flat = torch.empty((world_size, total), dtype=dtype, device=grads[0].device)
     if all(p.shard_dim == 0 for p in fsdp_params):
         chunk_cat(grads, world_size, flat)
         return flat.view(-1)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from .param_group import FSDPParamGroup
+from .staged_collectives import AllGather, ReduceScatter, check_comm
 from .state import FSDPState, state_of
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -298,6 +299,30 @@ class FSDPModule:
             group.all_reduce_hook_stream = stream
 
     # ---- nn.Module integration ------------------------------------------------------
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Run this module's all-gathers through ``comm`` (see staged_collectives.py).
+
+        ``comm.allocate(size, *, dtype, device)`` provides the output buffer
+        (this rank's input is its block ``rank``); ``comm(output_tensor=,
+        input_tensor=, group=, async_op=)`` runs the collective.
+        """
+        check_comm(comm, "set_custom_all_gather")
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Run this module's gradient reduce-scatters through ``comm``.
+
+        ``comm.allocate(size, *, dtype, device)`` provides the input and
+        output buffers; ``comm(output_tensor=, input_tensor=, group=, op=)``
+        runs the collective.
+        """
+        check_comm(comm, "set_custom_reduce_scatter")
+        group = self._fsdp_state().param_group
+        if group is not None:
+            group.reduce_scatter_comm = comm
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to() and friends replace local tensors: keep the

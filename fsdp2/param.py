@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ._torch_compat import dtensor_like, local_tensor, set_local_tensor, strided_shard
+from .extensions import ExtensionState, check_extension, has_extension
 from .mesh import FSDPMeshInfo
 
 _MODULE_SETATTR = nn.Module.__setattr__
@@ -128,6 +129,27 @@ class FSDPParam:
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
         self._placements = self._sharded_placements()
+        # See [Note: All-gather extensions] in extensions.py.
+        self.extension: ExtensionState | None = None
+        if has_extension(param):
+            self._init_extension(param)
+
+    def _init_extension(self, param: torch.Tensor) -> None:
+        check_extension(param, self.fqn)
+        if self.shard_dim != 0 or self.tp_spec is not None:
+            raise NotImplementedError(
+                f"Parameter '{self.fqn}': all-gather extensions need Shard(0) and no "
+                "tensor parallelism; drop shard_placement_fn for it"
+            )
+        mesh = self.mesh_info.mesh
+        if mesh.ndim > 1:
+            mesh = mesh[mesh.mesh_dim_names[self.mesh_info.shard_mesh_dim]]
+        self.extension = ExtensionState(self.module_infos[0][0], mesh)
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements this parameter occupies in its group's flat buffer (0: outside it)."""
+        return 0 if self.extension is not None else self.padded_shard_numel
 
     def _sharded_placements(self) -> tuple[Placement, ...]:
         fsdp: Placement = Shard(self.shard_dim)
@@ -164,8 +186,11 @@ class FSDPParam:
         """
         if isinstance(source, DTensor):
             source = source.to_local()
-        local = self.slot_view(slot)
-        if not local.is_meta and self.local_rows > 0:
+        if self.extension is not None:
+            local = self._extension_shard(source)
+        else:
+            local = self.slot_view(slot)
+        if not local.is_meta and self.local_rows > 0 and self.extension is None:
             local.copy_(self.local_rows_of(source.detach()))
         dtensor = DTensor.from_local(
             local,
@@ -180,12 +205,32 @@ class FSDPParam:
         set_local_tensor(self.sharded_param, local)
         self.register(self.sharded_param)
 
+    def _extension_shard(self, source: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a subclass parameter: a view of its own padded shard."""
+        padded_size = torch.Size([self.shard_rows, *self.orig_size[1:]])
+        padded = source.new_zeros(padded_size)
+        if self.local_rows > 0 and not padded.is_meta:
+            padded.narrow(0, 0, self.local_rows).copy_(self.local_rows_of(source.detach()))
+        return padded.narrow(0, 0, self.local_rows)
+
+    def unshard_extension(self, param_dtype: torch.dtype) -> None:
+        """After copy-out: build (first time) or refill the unsharded parameter via the post hook."""
+        local = local_tensor(self.sharded_param)
+        with torch.no_grad():  # the hook may write the parameter in place (out=)
+            tensor = self.extension.post_all_gather(local, param_dtype, self.unsharded_param)
+        if tensor is not None:
+            view = torch.as_strided(tensor, self.orig_size, self.orig_stride, 0)
+            self.unsharded_param = nn.Parameter(view, requires_grad=False)
+        self._sync_requires_grad()
+
     def rebind_sharded(self, slot: torch.Tensor) -> None:
         """Make the sharded parameter a view of ``slot`` again, keeping its values.
 
         Needed after ``nn.Module._apply`` (``to_empty``, ``.to``) or
         ``load_state_dict(assign=True)`` replaced the local tensor.
         """
+        if self.extension is not None:
+            return  # outside the flat buffer: its own padded shard
         local = local_tensor(self.sharded_param)
         view = self.slot_view(slot)
         if self.is_view_of_slot(view):
@@ -343,6 +388,8 @@ class FSDPParam:
             self.padded_full.untyped_storage().resize_(0)
         if self._unsharded_data is not None:
             self._unsharded_data.untyped_storage().resize_(0)
+        if self.extension is not None:
+            self.extension.free()
 
     # ---- state transitions --------------------------------------------------
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
+from . import collectives, staged_collectives
 from ._torch_compat import local_tensor
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
@@ -114,12 +114,23 @@ class FSDPParamGroup:
         self._post_forward_indices: list[int] = []
         # (work, all-gather output, input kept alive until the work is done)
         self._pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._pending_staged: staged_collectives.StagedAllGather | None = None
         self._is_unsharded = False
+        # Set by FSDPModule.set_custom_all_gather / set_custom_reduce_scatter.
+        self.all_gather_comm: staged_collectives.AllGather | None = None
+        self.reduce_scatter_comm: staged_collectives.ReduceScatter | None = None
+        self._has_extensions = any(p.extension is not None for p in fsdp_params)
+        if self._has_extensions and post_forward_mesh_info is not None:
+            raise NotImplementedError(
+                "reshard_after_forward=<int> is not supported with all-gather extensions "
+                f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
+                "pass True or False"
+            )
         self._offsets = []
         offset = 0
         for p in fsdp_params:
             self._offsets.append(offset)
-            offset += p.padded_shard_numel
+            offset += p.flat_numel
         self._total_shard_numel = offset
         # See [Note: CPU offload]
         self.mp_policy = mp_policy
@@ -162,7 +173,7 @@ class FSDPParamGroup:
 
     def _slot(self, index: int) -> torch.Tensor:
         start = self._offsets[index]
-        return self._sharded_flat[start : start + self.fsdp_params[index].padded_shard_numel]
+        return self._sharded_flat[start : start + self.fsdp_params[index].flat_numel]
 
     def reset_sharded_params(self) -> None:
         """Re-establish the sharded parameters as views of the flat buffer.
@@ -220,9 +231,12 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
-        if self._is_unsharded or self._pending_unshard is not None:
+        if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
             return
         world_size = self.mesh_info.shard_mesh_size
+        if self._has_extensions or (self.all_gather_comm is not None and world_size > 1):
+            self._unshard_staged(async_op)
+            return
         if world_size == 1 and not self._copy_in:
             # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
@@ -252,8 +266,50 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def _unshard_staged(self, async_op: bool) -> None:
+        """All-gather through a copy-in (see [Note: Staged all-gather])."""
+        inputs = []
+        for i, p in enumerate(self.fsdp_params):
+            if p.extension is None:
+                inputs.append([self._slot(i)])
+                continue
+            local = local_tensor(p.sharded_param)
+            inputs.append(
+                p.extension.pre_all_gather(
+                    local, p.orig_size, p.orig_stride,
+                    torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
+                )
+            )
+        self._pending_staged = staged_collectives.all_gather(
+            self.fsdp_params,
+            inputs,
+            self.mesh_info.shard_process_group,
+            self.mesh_info.shard_mesh_rank,
+            self.mesh_info.shard_mesh_size,
+            self.all_gather_comm,
+            async_op,
+        )
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _wait_for_staged(self) -> None:
+        staged, self._pending_staged = self._pending_staged, None
+        if staged.work is not None:
+            staged.work.wait()
+        staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
+        for p in self.fsdp_params:
+            if p.extension is not None:
+                p.unshard_extension(p.dtype)
+            else:
+                p.finish_copy_out()
+            p.to_unsharded()
+        self._is_unsharded = True
+
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
+        if self._pending_staged is not None:
+            self._wait_for_staged()
+            return
         if self._pending_unshard is None:
             return
         work, output, _ = self._pending_unshard
@@ -270,6 +326,10 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._post_forward_flat = None
+        if self._pending_staged is not None:
+            staged, self._pending_staged = self._pending_staged, None
+            if staged.work is not None:
+                staged.work.wait()
         if self._pending_unshard is not None:
             work, _, _ = self._pending_unshard
             self._pending_unshard = None
@@ -435,14 +495,25 @@ class FSDPParamGroup:
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
+            comm = self.reduce_scatter_comm if not identity else None
+            out = None
+            if comm is not None:  # a custom comm allocates both buffers
+                numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
+                out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
             rs_input = collectives.reduce_scatter_input(
-                grads, fsdp_params, world_size, reduce_dtype
+                grads, fsdp_params, world_size, reduce_dtype, out=out
             )
             grads.clear()  # the copy-in is done: let the unsharded gradients go
             if plan.pre_factor is not None:
                 rs_input.div_(plan.pre_factor)
             if identity:
                 output = rs_input
+            elif comm is not None:
+                output = comm.allocate(
+                    (rs_input.numel() // world_size,), dtype=reduce_dtype, device=rs_input.device
+                )
+                group = self.mesh_info.shard_process_group
+                comm(output_tensor=output, input_tensor=rs_input, group=group, op=plan.op)
             else:
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(

@@ -82,6 +82,12 @@ class FSDPState:
         self.backward_prefetch: tuple[FSDPParamGroup, ...] = ()
         # Set on the root only: waited for in the next root pre-forward.
         self.post_optim_event: Any = None
+        # Hooks stay eager under torch.compile (they swap parameters and run
+        # collectives): dynamo skips them, so a compiled block traces only its
+        # own compute. Instance attributes, so every caller gets these.
+        self._pre_forward = torch.compiler.disable(self._pre_forward)
+        self._post_forward = torch.compiler.disable(self._post_forward)
+        self._pre_backward = torch.compiler.disable(self._pre_backward)
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)

@@ -200,3 +200,43 @@ def check_case(result, name: str) -> None:
     errors = [f"--- rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res[name]]
     if errors:
         pytest.fail("\n".join(errors), pytrace=False)
+
+
+@contextlib.contextmanager
+def record_collective_bytes():
+    """Record ``(kind, input dtype, input bytes)`` of every public all-gather / reduce-scatter.
+
+    ``kind`` is ``"all_gather"`` or ``"reduce_scatter"``; the input is what this
+    rank sends, so the bytes show what the collective really carries.
+    """
+    calls: list[tuple[str, torch.dtype, int]] = []
+    depth = [0]
+    saved = {}
+
+    def wrap(kind, name):
+        orig = getattr(dist, name)
+        saved[name] = orig
+
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                inp = kwargs.get("input_tensor", kwargs.get("input"))
+                if inp is None:
+                    inp = args[1]
+                calls.append((kind, inp.dtype, inp.numel() * inp.element_size()))
+            depth[0] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(dist, name, wrapper)
+
+    for kind in ("all_gather", "reduce_scatter"):
+        for name in _RECORDED[kind]:
+            if hasattr(dist, name):
+                wrap(kind, name)
+    try:
+        yield calls
+    finally:
+        for name, orig in saved.items():
+            setattr(dist, name, orig)

@@ -1,0 +1,157 @@
+"""All-gather extensions: tensor subclasses that decide what FSDP all-gathers.
+
+[Note: All-gather extensions]
+A sharded parameter's local tensor may be a tensor subclass defining
+
+    fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+        -> (all_gather_inputs: tuple[Tensor, ...], metadata)
+    fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
+        -> (unsharded_tensor, inner_tensors) | None
+
+(``fsdp_pre_all_gather(mesh)`` alone is accepted too, as upstream does.)
+Before each all-gather the pre hook turns this rank's shard into the tensors
+to send, e.g. int8 data plus per-row scales instead of fp32. On a rank whose
+shard is shorter than the padded shard (dim 0 not divisible by ``W``), every
+input must have the padded shard's size, as upstream requires. FSDP gathers all inputs of the group in
+one collective (as bytes when their dtypes differ) and hands each hook the
+gathered tensors, dim 0 being ``W`` times the input's. The first post hook
+returns the unsharded tensor (padded rows allowed; FSDP views the first
+``outer_size`` rows) and the tensors to free on reshard; later calls get
+``out=`` the existing unsharded parameter and must fill it in place.
+
+The sharded local tensor is built like upstream: ``new_zeros`` of the padded
+shard on the subclass, this rank's rows copied in, and a ``narrow`` view of it
+kept as the local tensor; the subclass's ``__torch_dispatch__`` handles those
+ops. Such parameters live outside the group's flat buffer (see
+[Note: Sharded parameter storage] in param.py), so a group with one needs a
+copy-in (see [Note: Staged all-gather] in staged_collectives.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .api import MixedPrecisionPolicy
+
+_PRE = "fsdp_pre_all_gather"
+_POST = "fsdp_post_all_gather"
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a sharded parameter's local tensor) defines the all-gather hooks."""
+    return hasattr(tensor, _PRE) or hasattr(tensor, _POST)
+
+
+def check_extension(tensor: torch.Tensor, fqn: str) -> None:
+    """Fail early, naming the parameter, if the hooks are incomplete or mis-declared."""
+    if not (hasattr(tensor, _PRE) and hasattr(tensor, _POST)):
+        missing = _POST if hasattr(tensor, _PRE) else _PRE
+        raise ValueError(
+            f"Parameter '{fqn}' ({type(tensor).__name__}) defines only one all-gather "
+            f"extension hook; define {missing} too (both {_PRE} and {_POST} are needed)"
+        )
+    num_args = len(inspect.signature(getattr(tensor, _PRE)).parameters)
+    if num_args not in (1, 5):
+        raise ValueError(
+            f"Parameter '{fqn}': {type(tensor).__name__}.{_PRE} takes {num_args} arguments; "
+            "expected fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, "
+            "mp_policy)"
+        )
+
+
+class ExtensionState:
+    """Per-parameter bookkeeping between the pre and post hooks of one all-gather.
+
+    ``outputs`` are the flat all-gather outputs of this parameter, created on
+    the first all-gather and re-allocated (storage resize) on later ones;
+    ``inner`` are the tensors the first post hook asked FSDP to free on reshard.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.mp_policy = MixedPrecisionPolicy()
+        self.metadata: Any = None
+        self.input_sizes: list[torch.Size] = []
+        self.outputs: list[torch.Tensor] = []
+        self._inner: list[tuple[torch.Tensor, int]] = []  # (tensor, storage bytes)
+
+    def pre_all_gather(
+        self,
+        local: torch.Tensor,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        padded_size: torch.Size,
+        fqn: str,
+    ) -> list[torch.Tensor]:
+        """Run the pre hook; return its inputs flattened (1-D, contiguous)."""
+        hook = getattr(local, _PRE)
+        if len(inspect.signature(hook).parameters) == 1:
+            inputs, self.metadata = hook(self.mesh)
+        else:
+            inputs, self.metadata = hook(
+                self.mesh, outer_size, outer_stride, self.module, self.mp_policy
+            )
+        inputs = list(inputs)
+        # Like upstream: a rank holding fewer rows than the padded shard must send
+        # inputs of exactly the padded shard's size (so every rank sends as much).
+        if local.size() != padded_size and any(t.size() != padded_size for t in inputs):
+            raise ValueError(
+                f"Parameter '{fqn}' is sharded unevenly (local {tuple(local.shape)}, padded "
+                f"{tuple(padded_size)}): {_PRE} must then return inputs of the padded "
+                f"size, got {[tuple(t.shape) for t in inputs]}; pad them, or shard a "
+                "dim 0 that divides evenly by the shard mesh size"
+            )
+        self.input_sizes = [t.size() for t in inputs]
+        return [t.reshape(-1) for t in inputs]
+
+    def alloc_outputs(self, inputs: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+        """Flat ``(W * numel,)`` outputs matching ``inputs``' dtypes, storage (re)allocated."""
+        if len(self.outputs) != len(inputs) or any(
+            o.dtype != t.dtype or o.numel() != world_size * t.numel()
+            for o, t in zip(self.outputs, inputs)
+        ):
+            self.outputs = [t.new_empty(world_size * t.numel()) for t in inputs]
+        for out in self.outputs:
+            _alloc_storage(out, out.numel() * out.element_size())
+        return self.outputs
+
+    def post_all_gather(
+        self,
+        local: torch.Tensor,
+        param_dtype: torch.dtype,
+        unsharded: nn.Parameter | None,
+    ) -> torch.Tensor | None:
+        """Run the post hook; return the new unsharded tensor on the first call, else ``None``."""
+        gathered = tuple(
+            out.view(-1, *size[1:]) for out, size in zip(self.outputs, self.input_sizes)
+        )
+        hook = getattr(local, _POST)
+        if unsharded is not None:
+            for tensor, nbytes in self._inner:
+                _alloc_storage(tensor, nbytes)
+            hook(gathered, self.metadata, param_dtype, out=unsharded)
+            self.metadata = None
+            return None
+        tensor, inner = hook(gathered, self.metadata, param_dtype)
+        self.metadata = None
+        self._inner = [(t, t.untyped_storage().nbytes()) for t in inner]
+        return tensor
+
+    def free(self) -> None:
+        """Release the gathered outputs and the post hook's inner tensors (reshard)."""
+        for t in self.outputs:
+            t.untyped_storage().resize_(0)
+        for t, _ in self._inner:
+            t.untyped_storage().resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
