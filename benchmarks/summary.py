@@ -9,11 +9,13 @@ head), B_i = block i:
   ``reshard_after_forward=True`` (the root never is: it stays unsharded), and
   every group is reduce-scattered once: ``3 sum(B_i) + 2 R`` (about 3P) with
   resharding, ``2P`` without. DDP: one all-reduce of P.
-* peak live: sharded params P/W + sharded grads P/W + AdamW state 2P/W +
-  unsharded groups (R + the two largest blocks: the one computing and the one
-  prefetched; all of P without resharding) + activations A, where A is the
-  unsharded model's peak of bytes that are not parameters, gradients or
-  optimizer state, at the same per-rank batch.
+* peak live, with resharding: sharded params P/W + sharded grads P/W +
+  AdamW state 2P/W + unsharded groups (R + the two largest blocks: the one
+  computing and the one prefetched) + activations A, where A is the unsharded
+  model's peak of bytes that are not parameters, gradients or optimizer state,
+  at the same per-rank batch. Without resharding the peak is at the start of
+  backward: 3P/W (no sharded grads yet) + all of P unsharded + A + the largest
+  block's gradients and reduce-scatter input (2 B_max).
 """
 
 from __future__ import annotations
@@ -106,8 +108,12 @@ def _analytic(groups: dict, world_size: int, raf: bool, activations: float) -> t
     blocks, root, total = groups["blocks"], groups["root"], groups["total"]
     gathered = (2 * sum(blocks) if raf else sum(blocks)) + root
     comm = gathered + total
-    unsharded = root + sum(sorted(blocks)[-2:]) if raf else total
-    memory = 4 * total / world_size + unsharded + activations
+    if raf:
+        memory = 4 * total / world_size + root + sum(sorted(blocks)[-2:]) + activations
+    else:
+        # Peak at the start of backward: everything unsharded, no sharded grads
+        # yet, plus the first block's gradients and its reduce-scatter input.
+        memory = 3 * total / world_size + total + 2 * max(blocks) + activations
     return comm, memory
 
 
@@ -178,7 +184,8 @@ NOTES = """\
 - bytes communicated: all-gather output + reduce-scatter input (+ all-reduce) bytes per rank;
   analytic = 3*sum(blocks) + 2*root with resharding, 2*P without (summary.py docstring).
 - peak live: every tensor storage alive at once on a rank during one step; analytic =
-  4P/W + root + 2 largest blocks (all of P without resharding) + activations.
+  4P/W + root + 2 largest blocks + activations (without resharding:
+  3P/W + P + 2 largest-block grads + activations).
 - optimizer rows: the fsdp2 column uses fsdp2.enable_local_shard_step (bitwise the same
   AdamW update) and fsdp2.clip_grad_norm_; torch and DDP the stock torch functions."""
 
