@@ -99,6 +99,16 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, ord))
 
 
+def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tensor], Any]]:
+    """Hooks registered with ``param.register_post_accumulate_grad_hook``, in order.
+
+    Reads ``Tensor._post_accumulate_grad_hooks`` (torch 2.1 - 2.13; ``None``
+    until a hook is registered).
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of a nested container."""
     leaves, spec = tree_flatten(tree)

@@ -47,7 +47,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._torch_compat import dtensor_like, local_tensor, set_local_tensor, strided_shard
+from ._torch_compat import (
+    dtensor_like,
+    local_tensor,
+    post_accumulate_grad_hooks,
+    set_local_tensor,
+    strided_shard,
+)
 from .extensions import ExtensionState, check_extension, has_extension
 from .mesh import FSDPMeshInfo
 
@@ -455,6 +461,12 @@ class FSDPParam:
             self.sharded_param.grad = dtensor_like(self.sharded_param, local_grad)
         else:
             local_tensor(existing).add_(local_grad)
+        # Autograd never accumulates into the sharded parameter itself, so its
+        # post-accumulate-grad hooks (e.g. an optimizer step in backward) run here.
+        hooks = post_accumulate_grad_hooks(self.sharded_param)
+        if hooks:
+            for hook in hooks:
+                hook(self.sharded_param)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)}, {self.state.name})"

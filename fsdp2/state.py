@@ -27,7 +27,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._torch_compat import in_backward, queue_backward_callback, tree_flatten, tree_unflatten
+from ._torch_compat import (
+    in_backward,
+    queue_backward_callback,
+    tree_flatten,
+    tree_map_tensors,
+    tree_unflatten,
+)
 from .api import MixedPrecisionPolicy
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup, IterContext
@@ -75,6 +81,8 @@ class FSDPState:
         self._input_dtype = input_cast_dtype(mp_policy)
         self._output_dtype = mp_policy.output_dtype
         self.is_root: bool | None = None
+        # Root only, on accelerators: forward inputs are moved there (as upstream).
+        self._input_device: torch.device | None = None
         self.root_ctx = _RootContext(self)
         self._modules_to_run: set[nn.Module] = set()
         # Explicit prefetch lists (FSDPModule.set_modules_to_*_prefetch).
@@ -129,6 +137,9 @@ class FSDPState:
             # The root is needed first in backward; resharding it would only
             # cost an extra all-gather.
             self.param_group.reshard_after_forward = False
+        devices = {s.param_group.device for s in ctx.all_states if s.param_group is not None}
+        if len(devices) == 1 and next(iter(devices)).type != "cpu":
+            self._input_device = next(iter(devices))
         for state in ctx.all_states:
             group = state.param_group
             if group is None:
@@ -185,6 +196,9 @@ class FSDPState:
             return cast
         if self.is_root is None:
             self._lazy_init()
+        if self._input_device is not None:
+            device = self._input_device
+            args, kwargs = cast = tree_map_tensors(lambda t: t.to(device), (args, kwargs))
         if self.post_optim_event is not None:
             self._wait_post_optim_event()
         first_in_group = not self._modules_to_run
