@@ -180,3 +180,41 @@ def _hook_body(rank, world_size, force_sum):
 def test_all_reduce_hook(world_size, force_sum):
     """set_all_reduce_hook runs once per reduction on the group's flat output, before post-division."""
     run_ranks(_hook_body, world_size, force_sum)
+
+
+# ---------------------------------------------------------------- no-sync in a reduce dtype
+
+
+def _no_sync_reduce_dtype_body(rank, world_size):
+    from _impl import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    micro = [chain_batch(i, 2 * world_size) for i in range(2)]
+
+    def sharded_grads(sync_each: bool):
+        _, model = make_pair(build_chain)
+        shard_chain(model, fully_shard, mesh=cpu_mesh(), mp_policy=policy)
+        grads = {}
+        for i, batch in enumerate(micro):
+            model.set_requires_gradient_sync(sync_each or i == len(micro) - 1)
+            mlp_loss(model, rank_slice(batch, rank, world_size)).backward()
+            if sync_each:  # one synced backward per micro-batch: sum the reduced grads
+                for n, p in model.named_parameters():
+                    g = p.grad.to_local().clone()
+                    grads[n] = g if n not in grads else grads[n] + g
+                model.zero_grad()
+        if not sync_each:
+            grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        return grads
+
+    accumulated, synced = sharded_grads(False), sharded_grads(True)
+    for n, g in accumulated.items():
+        assert g.dtype == torch.float32, n
+        # bf16 accumulation of the two micro-batches would be ~1e-3 off
+        torch.testing.assert_close(g, synced[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_requires_gradient_sync_accumulates_in_reduce_dtype(world_size):
+    """With bf16 params and fp32 reduce dtype, no-sync micro-batches accumulate in fp32."""
+    run_ranks(_no_sync_reduce_dtype_body, world_size)
