@@ -16,10 +16,12 @@ from _impl import fully_shard
 from _multiproc import run_ranks
 from checks import ATOL, RTOL
 from models import (
+    assert_params_match,
     build_mlp,
     build_transformer,
     cpu_mesh,
     full,
+    make_pair,
     mlp_batch,
     mlp_loss,
     rank_slice,
@@ -154,3 +156,41 @@ def test_local_shard_step_rejects_non_optimizer():
     """enable_local_shard_step on something that is not an optimizer raises ValueError."""
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         fsdp2.enable_local_shard_step([torch.nn.Parameter(torch.ones(1))])
+
+
+# ---------------------------------------------------------------- post-accumulate-grad hooks
+
+
+def _post_acc_hook_body(rank, world_size):
+    # Optimizer in backward: one SGD step per parameter as soon as its sharded grad is ready.
+    ref, model = make_pair(lambda: build_transformer(seed=13))
+    shard_transformer(model, fully_shard, mesh=cpu_mesh())
+    calls = []
+
+    def make_hook(optim):
+        def hook(param):
+            calls.append(param)
+            optim.step()
+            optim.zero_grad()
+
+        return hook
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(make_hook(torch.optim.SGD([p], lr=0.1)))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        batch = transformer_batch(step, 2 * world_size)
+        calls.clear()
+        transformer_loss(model, rank_slice(batch, rank, world_size)).backward()
+        transformer_loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert sorted(map(id, calls)) == sorted(map(id, model.parameters())), "one call per param"
+        assert all(isinstance(p, DTensor) for p in calls), "hooks must see the sharded params"
+        assert all(p.grad is None for p in model.parameters())
+    assert_params_match(ref, model, RTOL, ATOL)
+
+
+def test_post_accumulate_grad_hooks_run_on_sharded_params():
+    """Hooks from register_post_accumulate_grad_hook run once per step with the reduced grad."""
+    run_ranks(_post_acc_hook_body, 2)
