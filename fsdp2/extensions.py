@@ -14,7 +14,8 @@ to send, e.g. int8 data plus per-row scales instead of fp32. On a rank whose
 shard is shorter than the padded shard (dim 0 not divisible by ``W``), every
 input must have the padded shard's size, as upstream requires. FSDP gathers all inputs of the group in
 one collective (as bytes when their dtypes differ) and hands each hook the
-gathered tensors, dim 0 being ``W`` times the input's. The first post hook
+gathered tensors, dim 0 being ``W`` times the input's (also at ``W = 1``,
+where upstream passes only the first: a bug we do not copy). The first post hook
 returns the unsharded tensor (padded rows allowed; FSDP views the first
 ``outer_size`` rows) and the tensors to free on reshard; later calls get
 ``out=`` the existing unsharded parameter and must fill it in place.
