@@ -13,7 +13,9 @@ Launch (from the repository root, after ``pip install -e .``):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-id int8 --rdzv-endpoint HOST:29500 examples/int8_all_gather.py  # on every node
 
-``FSDP2_IMPL=torch`` runs it on upstream ``torch.distributed.fsdp``.
+``FSDP2_IMPL=torch`` runs it on upstream ``torch.distributed.fsdp`` (same
+losses on 2 ranks; on 1 rank torch 2.13 hands the post hook only the int8 data,
+not the scales, and the unpacking fails: see tests/test_extensions.py).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ class Int8Weight(torch.Tensor):
     """A frozen weight held as int8 rows and per-row scales; its value is ``data * scale``.
 
     Only the ops FSDP applies to a sharded parameter are implemented natively
-    (``new_zeros``, dim-0 ``slice``, ``copy_``, ``detach``/``alias``/``view``);
-    anything else runs on the dequantized value.
+    (``new_zeros``/``new_empty``, dim-0 ``split`` (``torch.chunk``) and
+    ``slice`` (``narrow``), ``copy_`` from an ``Int8Weight``,
+    ``detach``/``alias``/``view``); other out-of-place ops run on the
+    dequantized value. Any other write raises: applied to a dequantized
+    temporary it would be lost without a trace.
     """
 
     @staticmethod
@@ -73,17 +78,25 @@ class Int8Weight(torch.Tensor):
             return cls(func(self._data), func(self._scale), self.dtype)
         if func is aten.view.default:  # e.g. FSDP's flat view of the padded shard
             return cls(self._data.view(args[1]), self._scale.view(-1, 1), self.dtype)
-        if func is aten.new_zeros.default:
+        if func in (aten.new_zeros.default, aten.new_empty.default):
+            # e.g. upstream's `new_empty(0)` for a rank past the last chunk
             size = args[1]
             data = torch.zeros(size, dtype=torch.int8, device=self.device)
-            return cls(data, torch.zeros(size[0], 1, device=self.device), self.dtype)
-        if func is aten.slice.Tensor and (args[1] if len(args) > 1 else 0) == 0:
+            rows = size[0] if len(size) > 0 else 0
+            return cls(data, torch.zeros(rows, 1, device=self.device), self.dtype)
+        if func is aten.split.Tensor and _dim(args, kwargs, 2) == 0:  # torch.chunk
+            datas = func(self._data, args[1], 0)
+            scales = func(self._scale, args[1], 0)
+            return [cls(d, s, self.dtype) for d, s in zip(datas, scales)]
+        if func is aten.slice.Tensor and _dim(args, kwargs, 1) == 0:  # narrow, [a:b]
             rest = args[2:]
             return cls(func(self._data, 0, *rest), func(self._scale, 0, *rest), self.dtype)
         if func is aten.copy_.default and isinstance(args[1], Int8Weight):
             self._data.copy_(args[1]._data)
             self._scale.copy_(args[1]._scale)
             return self
+        if func._schema.is_mutable:
+            raise NotImplementedError(f"Int8Weight does not support the in-place op {func}")
 
         def plain(x: Any) -> Any:
             return x.dequantize() if isinstance(x, Int8Weight) else x
@@ -116,6 +129,11 @@ class Int8Weight(torch.Tensor):
             return None
         weight = data.to(param_dtype) * scale.to(param_dtype)
         return weight, (weight,)
+
+
+def _dim(args: tuple, kwargs: dict, index: int) -> int:
+    """The ``dim`` argument of an aten view op (positional ``index``, default 0)."""
+    return args[index] if len(args) > index else kwargs.get("dim", 0)
 
 
 def quantize_frozen_(module: nn.Module) -> nn.Module:

@@ -14,15 +14,25 @@ to send, e.g. int8 data plus per-row scales instead of fp32. On a rank whose
 shard is shorter than the padded shard (dim 0 not divisible by ``W``), every
 input must have the padded shard's size, as upstream requires. FSDP gathers all inputs of the group in
 one collective (as bytes when their dtypes differ) and hands each hook the
-gathered tensors, dim 0 being ``W`` times the input's. The first post hook
+gathered tensors, dim 0 being ``W`` times the input's (also at ``W = 1``,
+where upstream passes only the first: a bug we do not copy). The first post hook
 returns the unsharded tensor (padded rows allowed; FSDP views the first
 ``outer_size`` rows) and the tensors to free on reshard; later calls get
 ``out=`` the existing unsharded parameter and must fill it in place.
 
-The sharded local tensor is built like upstream: ``new_zeros`` of the padded
-shard on the subclass, this rank's rows copied in, and a ``narrow`` view of it
-kept as the local tensor; the subclass's ``__torch_dispatch__`` handles those
-ops. Such parameters live outside the group's flat buffer (see
+The sharded local tensor is built with exactly upstream's ops on the subclass,
+in its order and under ``no_grad``: ``torch.chunk`` of the parameter
+(``aten.split``; ``new_empty(0)`` on a chunk for a rank past the last one),
+``new_zeros`` of the padded shard, ``narrow(...).copy_(chunk)``, ``view(-1)``,
+and a ``narrow`` view kept as the local tensor. The subclass's
+``__torch_dispatch__`` must implement these natively: a subclass that falls
+back to a plain tensor for ``split`` and drops the ``copy_`` ends up with an
+all-zero shard, here as upstream. The hooks get what upstream passes: the
+group's ``MixedPrecisionPolicy`` and ``param_dtype`` (``None`` when it equals
+the parameter's dtype or that is not floating point: then the parameter's
+dtype), and the post hook runs in the caller's grad mode (enabled in forward),
+so a hook writing ``out=`` a parameter that requires grad must do so under
+``no_grad`` or through ``.data``. Such parameters live outside the group's flat buffer (see
 [Note: Sharded parameter storage] in param.py), so a group with one needs a
 copy-in (see [Note: Staged all-gather] in staged_collectives.py).
 """
@@ -75,7 +85,9 @@ class ExtensionState:
     def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
         self.module = module
         self.mesh = mesh
+        # Set by the group: its policy, and the dtype handed to the post hook.
         self.mp_policy = MixedPrecisionPolicy()
+        self.param_dtype: torch.dtype | None = None
         self.metadata: Any = None
         self.input_sizes: list[torch.Size] = []
         self.outputs: list[torch.Tensor] = []
@@ -124,7 +136,6 @@ class ExtensionState:
     def post_all_gather(
         self,
         local: torch.Tensor,
-        param_dtype: torch.dtype,
         unsharded: nn.Parameter | None,
     ) -> torch.Tensor | None:
         """Run the post hook; return the new unsharded tensor on the first call, else ``None``."""
@@ -132,6 +143,7 @@ class ExtensionState:
             out.view(-1, *size[1:]) for out, size in zip(self.outputs, self.input_sizes)
         )
         hook = getattr(local, _POST)
+        param_dtype = self.param_dtype or local.dtype
         if unsharded is not None:
             for tensor, nbytes in self._inner:
                 _alloc_storage(tensor, nbytes)

@@ -211,19 +211,27 @@ class FSDPParam:
         set_local_tensor(self.sharded_param, local)
         self.register(self.sharded_param)
 
+    @torch.no_grad()
     def _extension_shard(self, source: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a subclass parameter: a view of its own padded shard."""
-        padded_size = torch.Size([self.shard_rows, *self.orig_size[1:]])
-        padded = source.new_zeros(padded_size)
-        if self.local_rows > 0 and not padded.is_meta:
-            padded.narrow(0, 0, self.local_rows).copy_(self.local_rows_of(source.detach()))
+        """This rank's rows of a subclass parameter: a view of its own padded shard.
+
+        Applies exactly upstream's ops to the subclass, in its order (see
+        [Note: All-gather extensions] in extensions.py).
+        """
+        chunks = torch.chunk(source, self.mesh_info.shard_mesh_size, dim=0)
+        rank = self.mesh_info.shard_mesh_rank
+        chunk = chunks[rank] if rank < len(chunks) else chunks[0].new_empty(0)
+        padded = source.new_zeros(torch.Size([self.shard_rows, *self.orig_size[1:]]))
+        if chunk.numel() > 0:
+            padded.narrow(0, 0, self.local_rows).copy_(chunk)
+        padded.view(-1)  # upstream keeps this flat view; a subclass must support it there
         return padded.narrow(0, 0, self.local_rows)
 
-    def unshard_extension(self, param_dtype: torch.dtype) -> None:
+    def unshard_extension(self) -> None:
         """After copy-out: build (first time) or refill the unsharded parameter via the post hook."""
         local = local_tensor(self.sharded_param)
-        with torch.no_grad():  # the hook may write the parameter in place (out=)
-            tensor = self.extension.post_all_gather(local, param_dtype, self.unsharded_param)
+        # In the caller's grad mode, as upstream (see [Note: All-gather extensions]).
+        tensor = self.extension.post_all_gather(local, self.unsharded_param)
         if tensor is not None:
             view = torch.as_strided(tensor, self.orig_size, self.orig_stride, 0)
             self.unsharded_param = nn.Parameter(view, requires_grad=False)

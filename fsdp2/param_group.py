@@ -166,6 +166,9 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.param_dtype = self.param_dtype
             p.unsharded_device = unsharded_device
+            if p.extension is not None:  # upstream resolves these per parameter
+                p.extension.mp_policy = self.mp_policy
+                p.extension.param_dtype = resolve_dtypes(self.mp_policy, p.dtype)[0] or p.dtype
         # Without a cast or a move the flat buffer is the all-gather input itself.
         self._copy_in = self.param_dtype is not None or (
             self.offload and self.device.type != "cpu"
@@ -270,10 +273,13 @@ class FSDPParamGroup:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
         inputs = []
         for i, p in enumerate(self.fsdp_params):
-            if p.extension is None:
-                inputs.append([self._slot(i)])
+            if p.extension is None:  # in the unsharded dtype and on the device, as upstream
+                slot = self._slot(i)
+                inputs.append([slot.to(device=self.device, dtype=self.param_dtype or slot.dtype)])
                 continue
             local = local_tensor(p.sharded_param)
+            if self.offload:  # upstream hands the pre hook the shard on the device
+                local = local.to(self.device, non_blocking=True)
             inputs.append(
                 p.extension.pre_all_gather(
                     local, p.orig_size, p.orig_stride,
@@ -299,7 +305,7 @@ class FSDPParamGroup:
         staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             if p.extension is not None:
-                p.unshard_extension(p.dtype)
+                p.unshard_extension()
             else:
                 p.finish_copy_out()
             p.to_unsharded()
