@@ -13,12 +13,22 @@ into the rank's local shard. So no rank ever holds more than one full tensor
 beyond its shards, and only rank 0 holds even that one.
 
 Which rank holds which chunk follows from the DTensor's mesh and placements,
-the way DTensor lays out ``Shard``/``Replicate``: mesh dims are applied left to
-right and each ``Shard(d)`` splits dim ``d`` of what is left into
-``torch.chunk`` pieces (ranks past the end get empty pieces). Replicas of a
-chunk (``Replicate`` mesh dims, e.g. HSDP) all receive it on load; on gather
-only the lowest rank holding it sends. Other placements (``Partial``, strided
-shards) are refused with a clear error.
+the way DTensor lays them out: mesh dims are applied left to right, and each
+one splits, along its tensor dim, the sequence of full-tensor indices a rank
+holds so far. ``Shard(d)`` takes the rank's ``torch.chunk`` piece of it (ranks
+past the end get empty pieces). A strided shard with split factor ``k`` (FSDP
+over a dim tensor parallelism already split ``k`` ways, see param.py) first
+chunks the sequence into ``k`` pieces, then takes the rank's ``torch.chunk``
+piece of *each*, concatenated: the rank holds ``k`` separate ranges of that
+dim, e.g. rows 0-2 and 6-8 of 12 for ``(_StridedShard(0, 2), Shard(0))`` at
+mesh coordinate (0, 0). So a chunk is a list of ranges per dim, and a box
+(one range per dim) is a plain slice of both the full and the local tensor.
+A one-box chunk that is a contiguous slice of the output moves straight into
+place; any other moves through a buffer of the chunk's size (at most one
+shard). ``DTensor.full_tensor()`` is the reference the tests compare with.
+Replicas of a chunk (``Replicate`` mesh dims, e.g. HSDP) all receive it on
+load; on gather only the lowest rank holding it sends. ``Partial`` is refused
+with a clear error.
 
 Communication is over the default process group with global ranks, so any
 mesh works; tensors travel on CPU with gloo and on the current accelerator
@@ -28,39 +38,59 @@ otherwise (with one staging copy of at most one full tensor on rank 0).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._torch_compat import local_tensor
+from ._torch_compat import local_tensor, strided_split_factor
 
 __all__ = ["Chunk", "chunks_of", "check_placements", "comm_device", "gather_to_rank0",
            "rank", "scatter_from_rank0"]
 
 
+Run = tuple[int, int]  # (start, length): a range of indices along one dim of the full tensor
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # local offsets, full offsets, sizes
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """The block of a full tensor that one global rank holds."""
+    """The part of a full tensor that one global rank holds.
+
+    ``runs[d]`` lists the ranges of dim ``d`` of the full tensor that, in order,
+    make up dim ``d`` of the rank's local tensor: one range for ``Shard`` and
+    ``Replicate``, several for strided shards.
+    """
 
     rank: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
+    runs: tuple[tuple[Run, ...], ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(length for _, length in runs) for runs in self.runs)
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
-    def of(self, full: torch.Tensor) -> torch.Tensor:
-        """This chunk of ``full`` (a view)."""
-        view = full
-        for dim, (start, length) in enumerate(zip(self.offsets, self.sizes)):
-            view = view.narrow(dim, start, length)
-        return view
+    def boxes(self) -> list[Box]:
+        """The chunk as slices that are plain boxes of both the local and the full tensor."""
+        per_dim = []
+        for runs in self.runs:
+            local_starts = itertools.accumulate((length for _, length in runs), initial=0)
+            per_dim.append([(lo, start, length) for lo, (start, length) in zip(local_starts, runs)])
+        return [
+            (tuple(b[0] for b in combo), tuple(b[1] for b in combo), tuple(b[2] for b in combo))
+            for combo in itertools.product(*per_dim)
+        ]
+
+
+def _box(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
 
 
 def rank() -> int:
@@ -82,12 +112,45 @@ def comm_device() -> torch.device:
 def check_placements(name: str, value: DTensor) -> None:
     """Refuse placements whose chunks this module cannot compute (names ``name``)."""
     for p in value.placements:
-        if type(p) is not Shard and type(p) is not Replicate:
+        if strided_split_factor(p) is None and not isinstance(p, (Shard, Replicate)):
             raise NotImplementedError(
                 f"'{name}' is a DTensor with placements {tuple(value.placements)}; full state "
-                "dicts support Shard and Replicate placements only. Save a sharded "
-                "checkpoint (fsdp2.save_checkpoint / torch.distributed.checkpoint) instead"
+                "dicts support Shard, Replicate and strided-shard placements only. Save a "
+                "sharded checkpoint (fsdp2.save_checkpoint / torch.distributed.checkpoint) instead"
             )
+
+
+def _chunk_bounds(length: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of piece ``index`` of ``torch.chunk`` over ``length`` (empty past the end)."""
+    step = -(-length // num_chunks)
+    return min(index * step, length), min((index + 1) * step, length)
+
+
+def _take(runs: list[Run], start: int, stop: int) -> list[Run]:
+    """Elements ``[start, stop)`` of the index sequence that ``runs`` spells out."""
+    out: list[Run] = []
+    pos = 0
+    for first, length in runs:
+        lo, hi = max(start, pos), min(stop, pos + length)
+        if lo < hi:
+            out.append((first + lo - pos, hi - lo))
+        pos += length
+    return out
+
+
+def _split(runs: list[Run], num_chunks: int, index: int, split_factor: int) -> list[Run]:
+    """Piece ``index`` of ``num_chunks`` of ``runs``, taken from each of ``split_factor`` parts."""
+    length = sum(n for _, n in runs)
+    out: list[Run] = []
+    for part in range(split_factor):
+        part_start, part_stop = _chunk_bounds(length, split_factor, part)
+        lo, hi = _chunk_bounds(part_stop - part_start, num_chunks, index)
+        for first, n in _take(runs, part_start + lo, part_start + hi):
+            if out and out[-1][0] + out[-1][1] == first:  # adjacent ranges: one range
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((first, n))
+    return out
 
 
 def chunks_of(value: DTensor) -> list[Chunk]:
@@ -97,17 +160,14 @@ def chunks_of(value: DTensor) -> list[Chunk]:
     ranks = mesh.mesh.flatten().tolist()
     chunks = []
     for coord, global_rank in zip(itertools.product(*(range(n) for n in mesh.shape)), ranks):
-        offsets = [0] * len(shape)
-        sizes = list(shape)
+        runs = [[(0, size)] if size else [] for size in shape]
         for mesh_dim, placement in enumerate(value.placements):
-            if not isinstance(placement, Shard):
-                continue
+            split_factor = strided_split_factor(placement)  # before Shard: a subclass in old torch
+            if split_factor is None and not isinstance(placement, Shard):
+                continue  # Replicate
             dim = placement.dim % len(shape)
-            step = -(-sizes[dim] // mesh.shape[mesh_dim])  # torch.chunk: ceil-sized pieces
-            start = min(coord[mesh_dim] * step, sizes[dim])
-            offsets[dim] += start
-            sizes[dim] = min(step, sizes[dim] - start)
-        chunks.append(Chunk(global_rank, tuple(offsets), tuple(sizes)))
+            runs[dim] = _split(runs[dim], mesh.shape[mesh_dim], coord[mesh_dim], split_factor or 1)
+        chunks.append(Chunk(global_rank, tuple(tuple(r) for r in runs)))
     return chunks
 
 
@@ -141,9 +201,8 @@ def gather_to_rank0(
     chunks, local = _own_chunks(value, name)
     senders: dict[tuple, Chunk] = {}
     for c in chunks:  # replicas: the lowest rank holding a chunk sends it
-        key = (c.offsets, c.sizes)
-        if key not in senders or c.rank < senders[key].rank:
-            senders[key] = c
+        if c.runs not in senders or c.rank < senders[c.runs].rank:
+            senders[c.runs] = c
     if me != 0:
         if any(c.rank == me for c in senders.values()):
             dist.send(local.detach().to(device).contiguous(), dst=0)
@@ -152,15 +211,21 @@ def gather_to_rank0(
     staging = out if device.type == "cpu" else torch.empty_like(out, device=device)
     works = []
     for c in senders.values():
-        view = c.of(staging)
+        boxes = c.boxes()
         if c.rank == 0:
-            view.copy_(local)
-        elif view.is_contiguous():
-            works.append(dist.irecv(view, src=c.rank))
-        else:  # e.g. Shard(1): one chunk at a time through a contiguous buffer
-            buf = torch.empty(c.sizes, dtype=value.dtype, device=device)
-            dist.recv(buf, src=c.rank)
-            view.copy_(buf)
+            for local_at, full_at, sizes in boxes:
+                _box(staging, full_at, sizes).copy_(_box(local, local_at, sizes))
+            continue
+        if len(boxes) == 1:
+            view = _box(staging, boxes[0][1], c.sizes)
+            if view.is_contiguous():
+                works.append(dist.irecv(view, src=c.rank))
+                continue
+        # e.g. Shard(1) or a strided shard: one chunk at a time through a contiguous buffer
+        buf = torch.empty(c.sizes, dtype=value.dtype, device=device)
+        dist.recv(buf, src=c.rank)
+        for local_at, full_at, sizes in boxes:
+            _box(staging, full_at, sizes).copy_(_box(buf, local_at, sizes))
     for work in works:
         work.wait()
     if staging is not out:
@@ -193,13 +258,20 @@ def scatter_from_rank0(
     source = full.detach().to(device=device, dtype=target.dtype)
     works = []
     for c in chunks:
-        piece = c.of(source)
+        boxes = c.boxes()
         if c.rank == 0:
-            local.copy_(piece)
-        elif piece.is_contiguous():
-            works.append(dist.isend(piece, dst=c.rank))
-        else:
-            dist.send(piece.contiguous(), dst=c.rank)
+            for local_at, full_at, sizes in boxes:
+                _box(local, local_at, sizes).copy_(_box(source, full_at, sizes))
+            continue
+        if len(boxes) == 1:
+            piece = _box(source, boxes[0][1], c.sizes)
+            if piece.is_contiguous():
+                works.append(dist.isend(piece, dst=c.rank))
+                continue
+        buf = torch.empty(c.sizes, dtype=source.dtype, device=device)
+        for local_at, full_at, sizes in boxes:
+            _box(buf, local_at, sizes).copy_(_box(source, full_at, sizes))
+        dist.send(buf, dst=c.rank)
     for work in works:
         work.wait()
 
