@@ -30,6 +30,13 @@ Replicas of a chunk (``Replicate`` mesh dims, e.g. HSDP) all receive it on
 load; on gather only the lowest rank holding it sends. ``Partial`` is refused
 with a clear error.
 
+A DTensor on a sub-mesh, e.g. the parameters TP leaves alone in a (dp, tp)
+model (on the dp mesh), lives on a different mesh on each TP rank: the meshes
+are copies holding the same values, and rank 0 sees only its own. So the
+callers gather every rank's meshes once (``meshes_of``, ``copies_by_mesh``)
+and pass them in: on load every copy's ranks receive their chunk; on gather
+the replicas across copies are deduplicated like any other.
+
 Communication is over the default process group with global ranks, so any
 mesh works; tensors travel on CPU with gloo and on the current accelerator
 otherwise (with one staging copy of at most one full tensor on rank 0).
@@ -39,18 +46,22 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._torch_compat import local_tensor, strided_split_factor
 
-__all__ = ["Chunk", "chunks_of", "check_placements", "comm_device", "gather_to_rank0",
-           "rank", "scatter_from_rank0"]
+__all__ = ["Chunk", "MeshCopies", "chunks_of", "check_placements", "comm_device",
+           "copies_by_mesh", "gather_to_rank0", "meshes_of", "rank", "scatter_from_rank0"]
 
 
+MeshRanks = tuple[int, ...]  # a mesh's global ranks, in mesh (row-major) order
+MeshCopies = dict[MeshRanks, list[MeshRanks]]  # this rank's mesh -> every rank's copy of it
 Run = tuple[int, int]  # (start, length): a range of indices along one dim of the full tensor
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # local offsets, full offsets, sizes
 
@@ -153,13 +164,54 @@ def _split(runs: list[Run], num_chunks: int, index: int, split_factor: int) -> l
     return out
 
 
-def chunks_of(value: DTensor) -> list[Chunk]:
-    """The chunk every rank of ``value``'s mesh holds, in mesh order."""
+def meshes_of(values: Iterable[object]) -> list[MeshRanks]:
+    """The distinct meshes of the DTensors among ``values``, in order of first appearance."""
+    seen: dict[MeshRanks, None] = {}
+    for value in values:
+        if isinstance(value, DTensor):
+            seen.setdefault(_ranks_of(value.device_mesh), None)
+    return list(seen)
+
+
+def copies_by_mesh(per_rank: list[list[MeshRanks]]) -> MeshCopies:
+    """Every copy of each of this rank's meshes, from ``meshes_of`` on every rank (by rank).
+
+    The ranks' ``i``-th meshes are copies of one another; they must be equal
+    or disjoint.
+    """
+    mine = per_rank[rank()]
+    if any(len(meshes) != len(mine) for meshes in per_rank):
+        raise ValueError(
+            f"Ranks hold DTensors on different numbers of meshes ({[len(m) for m in per_rank]}); "
+            "every rank must pass the same model, sharded the same way"
+        )
+    copies: MeshCopies = {}
+    for i, own in enumerate(mine):
+        distinct = list(dict.fromkeys(meshes[i] for meshes in per_rank))
+        held = [r for ranks in distinct for r in ranks]
+        if len(held) != len(set(held)):
+            raise NotImplementedError(
+                f"DTensor meshes {distinct} overlap without being equal; full state dicts need "
+                "every rank's mesh to be the same mesh or a disjoint copy of it"
+            )
+        copies[own] = distinct
+    return copies
+
+
+def _ranks_of(mesh: DeviceMesh) -> MeshRanks:
+    return tuple(mesh.mesh.flatten().tolist())
+
+
+def chunks_of(value: DTensor, copies: MeshCopies | None = None) -> list[Chunk]:
+    """The chunk every rank holds, in mesh order, over every copy of ``value``'s mesh.
+
+    Without ``copies`` only this rank's own mesh is known.
+    """
     mesh = value.device_mesh
+    own = _ranks_of(mesh)
     shape = tuple(value.shape)
-    ranks = mesh.mesh.flatten().tolist()
     chunks = []
-    for coord, global_rank in zip(itertools.product(*(range(n) for n in mesh.shape)), ranks):
+    for coord_index, coord in enumerate(itertools.product(*(range(n) for n in mesh.shape))):
         runs = [[(0, size)] if size else [] for size in shape]
         for mesh_dim, placement in enumerate(value.placements):
             split_factor = strided_split_factor(placement)  # before Shard: a subclass in old torch
@@ -167,15 +219,19 @@ def chunks_of(value: DTensor) -> list[Chunk]:
                 continue  # Replicate
             dim = placement.dim % len(shape)
             runs[dim] = _split(runs[dim], mesh.shape[mesh_dim], coord[mesh_dim], split_factor or 1)
-        chunks.append(Chunk(global_rank, tuple(tuple(r) for r in runs)))
+        frozen = tuple(tuple(r) for r in runs)
+        for ranks in (copies or {}).get(own, [own]):
+            chunks.append(Chunk(ranks[coord_index], frozen))
     return chunks
 
 
-def _own_chunks(value: DTensor, name: str) -> tuple[list[Chunk], torch.Tensor]:
+def _own_chunks(
+    value: DTensor, name: str, copies: MeshCopies | None
+) -> tuple[list[Chunk], torch.Tensor]:
     """Every rank's non-empty chunk, and this rank's local tensor checked against its own."""
     check_placements(name, value)
     local = local_tensor(value)
-    chunks = chunks_of(value)
+    chunks = chunks_of(value, copies)
     me = rank()
     for c in chunks:
         if c.rank == me and tuple(local.shape) != c.sizes:
@@ -187,18 +243,22 @@ def _own_chunks(value: DTensor, name: str) -> tuple[list[Chunk], torch.Tensor]:
 
 
 def gather_to_rank0(
-    value: torch.Tensor, device: torch.device, name: str = "tensor"
+    value: torch.Tensor,
+    device: torch.device,
+    name: str = "tensor",
+    copies: MeshCopies | None = None,
 ) -> torch.Tensor | None:
     """The full value of ``value`` as a new CPU tensor on rank 0; ``None`` elsewhere.
 
     Collective for a DTensor (every rank of the default group calls it in the
     same order); a plain tensor is taken as replicated and only copied on rank 0.
-    ``name`` is used in errors.
+    ``name`` is used in errors; ``copies`` (``copies_by_mesh``) is needed when
+    rank 0 is not on every rank's mesh.
     """
     me = rank()
     if not isinstance(value, DTensor):
         return value.detach().to("cpu", copy=True) if me == 0 else None
-    chunks, local = _own_chunks(value, name)
+    chunks, local = _own_chunks(value, name, copies)
     senders: dict[tuple, Chunk] = {}
     for c in chunks:  # replicas: the lowest rank holding a chunk sends it
         if c.runs not in senders or c.rank < senders[c.runs].rank:
@@ -234,19 +294,24 @@ def gather_to_rank0(
 
 
 def scatter_from_rank0(
-    full: torch.Tensor | None, target: torch.Tensor, device: torch.device, name: str = "tensor"
+    full: torch.Tensor | None,
+    target: torch.Tensor,
+    device: torch.device,
+    name: str = "tensor",
+    copies: MeshCopies | None = None,
 ) -> None:
     """Write rank 0's ``full`` into ``target`` on every rank, in place.
 
     ``target`` is a DTensor (each rank receives its chunk) or a plain tensor
     (broadcast). Collective over the default group; ``full`` is read on rank 0
-    only and must already have ``target``'s full shape.
+    only and must already have ``target``'s full shape. ``copies`` as for
+    ``gather_to_rank0``.
     """
     me = rank()
     if not isinstance(target, DTensor):
         _broadcast_into(full, target, device)
         return
-    chunks, local = _own_chunks(target, name)
+    chunks, local = _own_chunks(target, name, copies)
     if me != 0:
         if any(c.rank == me for c in chunks):
             direct = local.is_contiguous() and local.device == device
