@@ -19,9 +19,11 @@ holds so far. ``Shard(d)`` takes the rank's ``torch.chunk`` piece of it (ranks
 past the end get empty pieces). A strided shard with split factor ``k`` (FSDP
 over a dim tensor parallelism already split ``k`` ways, see param.py) first
 chunks the sequence into ``k`` pieces, then takes the rank's ``torch.chunk``
-piece of *each*, concatenated: the rank holds ``k`` separate ranges of that
-dim, e.g. rows 0-2 and 6-8 of 12 for ``(_StridedShard(0, 2), Shard(0))`` at
-mesh coordinate (0, 0). So a chunk is a list of ranges per dim, and a box
+piece of *each*, concatenated: ``k`` separate ranges of that dim, e.g. rows
+0-2 and 6-8 of 12 at dp coordinate 0 for ``(_StridedShard(0, 2), Shard(0))``.
+A later ``Shard(0)`` (FSDP + TP) then leaves one range per rank (rows 0-2 at
+(0, 0), 6-8 at (0, 1)); ``Shard(1)`` or another split factor leaves several.
+So a chunk is a list of ranges per dim, and a box
 (one range per dim) is a plain slice of both the full and the local tensor.
 A one-box chunk that is a contiguous slice of the output moves straight into
 place; any other moves through a buffer of the chunk's size (at most one
