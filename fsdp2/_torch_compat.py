@@ -144,6 +144,19 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def strided_split_factor(placement: Placement) -> int | None:
+    """The ``split_factor`` of a strided shard (see ``strided_shard``); ``None`` for any other.
+
+    Wraps ``isinstance(placement, _StridedShard)`` and ``_StridedShard.split_factor``
+    (torch 2.5 - 2.13). Older releases make it a subclass of ``Shard``, 2.13
+    does not: ask this before ``isinstance(placement, Shard)``. Older releases
+    also accept only even splits, where their layout and 2.13's agree.
+    """
+    if isinstance(placement, _StridedShard):
+        return int(placement.split_factor)
+    return None
+
+
 def dispatch_mode_base() -> type:
     """``TorchDispatchMode``, the base class of modes that see every aten op.
 

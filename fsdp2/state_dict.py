@@ -34,7 +34,16 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._torch_compat import tree_map_tensors
-from .rank0 import check_placements, comm_device, gather_to_rank0, rank, scatter_from_rank0
+from .rank0 import (
+    MeshCopies,
+    check_placements,
+    comm_device,
+    copies_by_mesh,
+    gather_to_rank0,
+    meshes_of,
+    rank,
+    scatter_from_rank0,
+)
 
 __all__ = ["IncompatibleKeys", "get_full_state_dict", "set_full_state_dict"]
 
@@ -68,11 +77,11 @@ def get_full_state_dict(
     names = _param_names(model)
     collective = _is_collective(targets)
     if collective:
-        _exchange(_layout(targets, optim, names), None)
+        _, copies = _exchange(_layout(targets, optim, names), None, targets)
         device = comm_device()
 
         def full_of(value: torch.Tensor, name: str) -> torch.Tensor | None:
-            return gather_to_rank0(value, device, name)
+            return gather_to_rank0(value, device, name, copies)
     else:
 
         def full_of(value: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -126,7 +135,7 @@ def set_full_state_dict(
         _optim_params(optim, names)  # raises on every rank alike
     collective = _is_collective(targets)
     on_rank0 = not collective or rank() == 0
-    plan = None
+    plan, copies = None, None
     if on_rank0:
         try:
             plan = _plan(targets, model_state_dict, strict, optim, optim_state_dict, names)
@@ -135,7 +144,7 @@ def set_full_state_dict(
                 raise
             plan = {"error": f"set_full_state_dict could not read the state dict: {e!r}"}
     if collective:
-        plan = _exchange(_layout(targets, optim, names), plan)
+        plan, copies = _exchange(_layout(targets, optim, names), plan, targets)
     if plan["error"]:
         raise ValueError(plan["error"])
 
@@ -147,7 +156,7 @@ def set_full_state_dict(
 
     def load(source: torch.Tensor | None, target: torch.Tensor, name: str) -> None:
         if collective:
-            scatter_from_rank0(source, target, device, name)
+            scatter_from_rank0(source, target, device, name, copies)
         else:
             target.copy_(source)
 
@@ -436,14 +445,20 @@ def _layout(
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
-def _exchange(layout: str, payload: Any) -> Any:
-    """Check every rank has the same layout; return rank 0's ``payload`` on every rank."""
+def _exchange(
+    layout: str, payload: Any, targets: Mapping[str, Any]
+) -> tuple[Any, MeshCopies]:
+    """Check every rank has the same layout; rank 0's ``payload`` and every rank's meshes.
+
+    The meshes tell each rank who else holds what (see [Note: Full tensors
+    through rank 0] in rank0.py).
+    """
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (layout, payload))
-    differ = [r for r, (digest, _) in enumerate(gathered) if digest != gathered[0][0]]
+    dist.all_gather_object(gathered, (layout, payload, meshes_of(targets.values())))
+    differ = [r for r, (digest, _, _) in enumerate(gathered) if digest != gathered[0][0]]
     if differ:
         raise ValueError(
             f"Ranks {differ} hold a model or optimizer that differs from rank 0's (keys, "
             "shapes, placements or optimizer state); every rank must pass the same model"
         )
-    return gathered[0][1]
+    return gathered[0][1], copies_by_mesh([meshes for _, _, meshes in gathered])

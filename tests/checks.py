@@ -36,6 +36,23 @@ def assert_sharded(model: nn.Module, rank: int, world_size: int, where: str = ""
         )
 
 
+def assert_nested_close(got, expected, where, rtol=RTOL, atol=ATOL):
+    """Equal nested dicts/lists; tensors are plain CPU tensors close to ``expected``."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and list(got) == list(expected), (where, list(got), list(expected))
+        for k in expected:
+            assert_nested_close(got[k], expected[k], f"{where}.{k}", rtol, atol)
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_nested_close(g, e, f"{where}[{i}]", rtol, atol)
+    elif isinstance(expected, torch.Tensor):
+        assert type(got) is torch.Tensor and got.device.type == "cpu", (where, type(got))
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
+    else:
+        assert got == expected, (where, got, expected)
+
+
 def make_opts(ref, model, lr=1e-2):
     """AdamW for the reference and for the sharded model (built on its current parameters)."""
     return torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(model.parameters(), lr=lr)

@@ -18,6 +18,7 @@ from checks import (
     ATOL,
     RTOL,
     assert_losses_match,
+    assert_nested_close,
     assert_sharded,
     make_opts,
     train_steps,
@@ -43,25 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp2 import get_full_state_dict, set_full_state_dict
-from fsdp2._torch_compat import dispatch_mode_base, local_tensor, tensor_leaves
-
-
-def _assert_nested_close(got, expected, where, rtol=RTOL, atol=ATOL):
-    """Equal nested dicts/lists; tensors are plain CPU tensors close to ``expected``."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict) and list(got) == list(expected), (where, list(got), list(expected))
-        for k in expected:
-            _assert_nested_close(got[k], expected[k], f"{where}.{k}", rtol, atol)
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), where
-        for i, (g, e) in enumerate(zip(got, expected)):
-            _assert_nested_close(g, e, f"{where}[{i}]", rtol, atol)
-    elif isinstance(expected, torch.Tensor):
-        assert type(got) is torch.Tensor and got.device.type == "cpu", (where, type(got))
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
-    else:
-        assert got == expected, (where, got, expected)
-
+from fsdp2._torch_compat import dispatch_mode_base, local_tensor, strided_shard, tensor_leaves
 
 # ---------------------------------------------------------------- round trips
 
@@ -84,9 +67,9 @@ def _round_trip_body(rank, world_size):
     if rank != 0:
         assert msd == {} and osd == {} and torch_msd == {}, "only rank 0 gets the dicts"
     else:
-        _assert_nested_close(msd, ref.state_dict(), "model")
-        _assert_nested_close(msd, torch_msd, "torch model", rtol=0, atol=0)
-        _assert_nested_close(osd, get_optimizer_state_dict(ref, ref_opt), "optim")
+        assert_nested_close(msd, ref.state_dict(), "model")
+        assert_nested_close(msd, torch_msd, "torch model", rtol=0, atol=0)
+        assert_nested_close(osd, get_optimizer_state_dict(ref, ref_opt), "optim")
         # into a plain module: identical outputs
         plain = build_transformer(seed=99)
         plain.load_state_dict(msd)
@@ -95,7 +78,7 @@ def _round_trip_body(rank, world_size):
         # and the optimizer state into a plain optimizer (local: a plain model needs no peers)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
         set_full_state_dict(plain, plain_opt, model_state_dict=msd, optim_state_dict=osd)
-        _assert_nested_close(get_full_state_dict(plain, plain_opt)[1], osd, "plain optim", 0, 0)
+        assert_nested_close(get_full_state_dict(plain, plain_opt)[1], osd, "plain optim", 0, 0)
         transformer_loss(plain, batches[2]).backward()
         plain_opt.step()
     # one more step on both: the plain copy continues exactly like the sharded model
@@ -103,7 +86,7 @@ def _round_trip_body(rank, world_size):
     opt.step()
     after, _ = get_full_state_dict(model)
     if rank == 0:
-        _assert_nested_close(after, plain.state_dict(), "after one more step")
+        assert_nested_close(after, plain.state_dict(), "after one more step")
 
 
 def test_full_state_dict_round_trip_through_plain_module():
@@ -142,7 +125,7 @@ def _from_plain_body(rank, world_size):
     assert_params_match(plain_mlp, mlp, 0, 0)
     back, _ = get_full_state_dict(mlp)
     if rank == 0:
-        _assert_nested_close(back, plain_mlp.state_dict(), "mlp", 0, 0)
+        assert_nested_close(back, plain_mlp.state_dict(), "mlp", 0, 0)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -159,6 +142,11 @@ _LAYOUTS = {
     "shard0_twice": ((5, 3), (Shard(0), Shard(0))),
     "tp_only": ((3,), (Replicate(), Shard(0))),
     "col": ((4, 3), (Shard(1), Replicate())),
+    # FSDP over a dim TP already splits: several row (or column) ranges per rank
+    "strided": ((12, 5), (strided_shard(0, 2), Shard(0))),
+    "strided_uneven": ((7, 5), (strided_shard(0, 2), Shard(0))),
+    "strided_col": ((3, 10), (strided_shard(1, 2), Shard(1))),
+    "strided_and_col": ((6, 4), (strided_shard(0, 2), Shard(1))),
 }
 
 
@@ -170,22 +158,26 @@ def _two_d_body(rank, world_size):
     def holder(values):
         module = nn.Module()
         for name, (_, placements) in _LAYOUTS.items():
-            dt = distribute_tensor(values[name].clone(), mesh, placements)
+            # every rank has the same values: split locally (torch's scatter of an uneven
+            # strided shard fails on 2.13)
+            dt = distribute_tensor(values[name].clone(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dt))
         return module
 
     msd, _ = get_full_state_dict(holder(fulls))
     if rank == 0:
-        _assert_nested_close(msd, fulls, "gathered", 0, 0)
+        assert_nested_close(msd, fulls, "gathered", 0, 0)
     target = holder({k: torch.zeros_like(v) for k, v in fulls.items()})
     set_full_state_dict(target, model_state_dict=fulls if rank == 0 else None)
     for name, (_, placements) in _LAYOUTS.items():
-        expected = distribute_tensor(fulls[name], mesh, placements).to_local()
+        expected = distribute_tensor(fulls[name], mesh, placements, src_data_rank=None).to_local()
         torch.testing.assert_close(getattr(target, name).to_local(), expected, rtol=0, atol=0)
+    for name in ("strided", "strided_and_col"):  # even splits: DTensor's own full_tensor() agrees
+        torch.testing.assert_close(getattr(target, name).full_tensor(), fulls[name], rtol=0, atol=0)
 
 
 def test_full_state_dict_on_2d_mesh_layouts():
-    """HSDP- and TP-style placements on a 2x2 mesh gather and scatter to the right chunks."""
+    """HSDP-, TP- and strided (FSDP+TP on one dim) placements on a 2x2 mesh gather and scatter to the right chunks."""
     run_ranks(_two_d_body, 4)
 
 
@@ -341,8 +333,8 @@ def _bad_input_body(rank, world_size):
 
     after_msd, after_osd = get_full_state_dict(model, opt)
     if rank == 0:
-        _assert_nested_close(after_msd, before_msd, "model after failed loads", 0, 0)
-        _assert_nested_close(after_osd, before_osd, "optim after failed loads", 0, 0)
+        assert_nested_close(after_msd, before_msd, "model after failed loads", 0, 0)
+        assert_nested_close(after_osd, before_osd, "optim after failed loads", 0, 0)
 
     # strict=False loads what matches and reports the rest
     msd, _ = case(lambda sd: {**{k: v for k, v in sd.items() if k != "norm.weight"},
@@ -361,8 +353,8 @@ def _bad_input_body(rank, world_size):
     assert now == held, "optimizer state was reallocated instead of loaded in place"
     loaded_msd, loaded_osd = get_full_state_dict(model, opt)
     if rank == 0:
-        _assert_nested_close(loaded_msd, good_msd, "model after good load", 0, 0)
-        _assert_nested_close(loaded_osd, good_osd, "optim after good load", 0, 0)
+        assert_nested_close(loaded_msd, good_msd, "model after good load", 0, 0)
+        assert_nested_close(loaded_osd, good_osd, "optim after good load", 0, 0)
 
 
 def test_set_full_state_dict_rejects_bad_input_on_every_rank():

@@ -8,16 +8,27 @@ index trains on the same slice of the global batch.
 from __future__ import annotations
 
 import pytest
+import torch
 from _impl import fully_shard
 from _multiproc import RankError, run_ranks
-from checks import assert_losses_match, check_case, run_cases, train_steps
+from checks import (
+    assert_losses_match,
+    assert_nested_close,
+    check_case,
+    make_opts,
+    run_cases,
+    train_steps,
+)
 from models import (
     assert_params_match,
     build_transformer,
+    full,
     make_pair,
+    rank_slice,
     transformer_batch,
     transformer_loss,
 )
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -26,6 +37,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from fsdp2 import get_full_state_dict, set_full_state_dict
+from fsdp2._torch_compat import strided_split_factor
 
 STEPS = 3
 TP_PLAN = {
@@ -49,28 +63,91 @@ def _expected_placements(name: str, hsdp: bool) -> tuple:
     return ((Replicate(),) if hsdp else ()) + dp + tp
 
 
-def _tp_parity(rank, world_size, dp_dims):
-    hsdp = len(dp_dims) == 2
-    shape = (2, 2, 2) if hsdp else (2, 2)
+def _meshes(dp_dims):
+    """The (dp..., tp) mesh and its data-parallel sub-mesh."""
+    shape = (2, 2, 2) if len(dp_dims) == 2 else (2, 2)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=(*dp_dims, "tp"))
-    dp_mesh = mesh[dp_dims]
-    ref, model = make_pair(lambda: build_transformer(seed=21, hidden=12))
+    return mesh, mesh[dp_dims]
+
+
+def _parallelize(model, mesh, dp_mesh):
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], TP_PLAN)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _dp_rank(dp_mesh):
+    coord = dp_mesh.get_coordinate()
+    return coord[0] * dp_mesh.size(1) + coord[1] if dp_mesh.ndim == 2 else coord[0]
+
+
+def _tp_parity(rank, world_size, dp_dims):
+    hsdp = len(dp_dims) == 2
+    mesh, dp_mesh = _meshes(dp_dims)
+    ref, model = make_pair(lambda: build_transformer(seed=21, hidden=12))
+    _parallelize(model, mesh, dp_mesh)
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         assert tuple(p.placements) == _expected_placements(name, hsdp), (name, p.placements)
-    dp_rank = dp_mesh.get_coordinate()
-    dp_rank = dp_rank[0] * dp_mesh.size(1) + dp_rank[1] if hsdp else dp_rank[0]
     batches = [transformer_batch(step, 2 * dp_mesh.size()) for step in range(STEPS)]
     ref_losses, losses = train_steps(
-        ref, model, batches, transformer_loss, dp_rank, dp_mesh.size()
+        ref, model, batches, transformer_loss, _dp_rank(dp_mesh), dp_mesh.size()
     )
     assert_losses_match(ref_losses, losses)
     assert_params_match(ref, model)  # full_tensor() of every parameter
+
+
+def _full_state_dict(rank, world_size, dp_dims):
+    mesh, dp_mesh = _meshes(dp_dims)
+    dp_rank, dp_size = _dp_rank(dp_mesh), dp_mesh.size()
+    ref, model = make_pair(lambda: build_transformer(seed=23, hidden=12))
+    _parallelize(model, mesh, dp_mesh)
+    assert any(strided_split_factor(pl) for p in model.parameters() for pl in p.placements)
+    msd, _ = get_full_state_dict(model)
+    if rank == 0:
+        assert_nested_close(msd, ref.state_dict(), "before training", 0, 0)
+    ref_opt, opt = make_opts(ref, model)
+    batches = [transformer_batch(step, 2 * dp_size) for step in range(3)]
+    train_steps(ref, model, batches[:2], transformer_loss, dp_rank, dp_size, (ref_opt, opt))
+
+    # gathered: DTensor's own full_tensor() bit for bit, the plain reference up to TP's sums
+    msd, osd = get_full_state_dict(model, opt)
+    params = dict(model.named_parameters())
+    fulls = {n: full(p.detach()) for n, p in params.items()}
+    states = {n: {k: full(v) for k, v in opt.state[p].items()} for n, p in params.items()}
+    ref_msd, ref_osd = ref.state_dict(), get_optimizer_state_dict(ref, ref_opt)
+    if rank == 0:
+        assert_nested_close({n: msd[n] for n in fulls}, fulls, "model", 0, 0)
+        assert_nested_close(osd["state"], states, "optim", 0, 0)
+        assert_nested_close(msd, ref_msd, "model vs plain")
+        assert_nested_close(osd, ref_osd, "optim vs plain")
+
+    # the plain model's dicts (rank 0 only) into a fresh model on meta: its values exactly
+    with torch.device("meta"):
+        fresh = _parallelize(build_transformer(seed=99, hidden=12), mesh, dp_mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    set_full_state_dict(fresh, fresh_opt, model_state_dict=ref_msd if rank == 0 else None,
+                        optim_state_dict=ref_osd if rank == 0 else None)
+    assert_params_match(ref, fresh, 0, 0)
+    back = get_full_state_dict(fresh, fresh_opt)
+    if rank == 0:
+        assert_nested_close(back, (ref_msd, ref_osd), "plain -> sharded -> plain", 0, 0)
+
+    # the sharded model's own dicts into it: it continues bit for bit like the original
+    set_full_state_dict(fresh, fresh_opt, model_state_dict=msd if rank == 0 else None,
+                        optim_state_dict=osd if rank == 0 else None)
+    losses = []
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        loss = transformer_loss(m, rank_slice(batches[2], dp_rank, dp_size))
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    assert losses[0] == losses[1], losses
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
 
 
 _LAUNCHES: dict = {}
@@ -78,7 +155,10 @@ _LAUNCHES: dict = {}
 
 def _result(world_size: int, dp_dims: tuple):
     if world_size not in _LAUNCHES:
-        cases = {"tp": lambda r, w: _tp_parity(r, w, dp_dims)}
+        cases = {
+            "tp": lambda r, w: _tp_parity(r, w, dp_dims),
+            "full_state_dict": lambda r, w: _full_state_dict(r, w, dp_dims),
+        }
         try:
             _LAUNCHES[world_size] = (True, run_ranks(run_cases, world_size, cases))
         except RankError as e:
@@ -95,3 +175,14 @@ def test_fsdp_tp_2d():
 def test_hsdp_tp_3d(world_size):
     """HSDP+TP on a 2x2x2 (replicate, shard, tp) mesh: placements, full_tensor(), grads, losses."""
     check_case(_result(world_size, ("replicate", "shard")), "tp")
+
+
+def test_full_state_dict_fsdp_tp_2d():
+    """FSDP+TP (strided shards) on 2x2: full model/optimizer dicts gather exactly, load from a plain model, round-trip."""
+    check_case(_result(4, ("dp",)), "full_state_dict")
+
+
+@pytest.mark.parametrize("world_size", [8], ids=["2x2x2"])
+def test_full_state_dict_hsdp_tp_3d(world_size):
+    """HSDP+TP on 2x2x2: full model/optimizer dicts gather exactly, load from a plain model, round-trip."""
+    check_case(_result(world_size, ("replicate", "shard")), "full_state_dict")
