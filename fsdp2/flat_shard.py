@@ -60,6 +60,13 @@ class FlatShardLayout:
         slot = flat[self.starts[index] : self.stops[index]]
         return slot.view(self.dtypes[index]) if self.mixed else slot
 
+    def gathered_nbytes(self, fsdp_params: list[FSDPParam]) -> int:
+        """Bytes per rank a mixed group gathers: each shard in its unsharded dtype."""
+        return sum(
+            p.flat_numel * (p.param_dtype or dtype).itemsize
+            for p, dtype in zip(fsdp_params, self.dtypes)
+        )
+
     def in_order(self, fsdp_params: list[FSDPParam]) -> list[FSDPParam]:
         """``fsdp_params`` in the order their slots sit in the buffer."""
         return fsdp_params if not self.mixed else [fsdp_params[i] for i in self.order]

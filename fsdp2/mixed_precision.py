@@ -74,6 +74,23 @@ def check_trainable_dtypes(named_params: Iterable[tuple[str, torch.Tensor]]) -> 
     )
 
 
+def check_grad_dtypes(named_dtypes: list[tuple[str, torch.dtype]], dtype: torch.dtype) -> None:
+    """Fail clearly if parameters not of the group's gradient ``dtype`` got gradients.
+
+    Catches parameters of another dtype unfrozen after the first forward,
+    which fixed the group's gradient dtype.
+    """
+    odd = [(name, d) for name, d in named_dtypes if d != dtype]
+    if odd:
+        listing = ", ".join(f"'{name}' ({str(d).removeprefix('torch.')})" for name, d in odd)
+        raise ValueError(
+            f"{listing} got gradients, but their group reduces gradients in "
+            f"{str(dtype).removeprefix('torch.')}, the dtype of its parameters that required "
+            "grad at the first forward. Set requires_grad before the first forward, keeping "
+            "one dtype among the trainable parameters of a fully_shard group."
+        )
+
+
 def input_cast_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
     """The dtype forward inputs are cast to, or ``None`` for no cast."""
     return policy.param_dtype if policy.cast_forward_inputs else None

@@ -54,7 +54,7 @@ from ._torch_compat import local_tensor
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .flat_shard import FlatShardLayout
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import check_trainable_dtypes, resolve_dtypes
+from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 
@@ -158,25 +158,17 @@ class FSDPParamGroup:
         """
         check_trainable_dtypes((p.fqn, p.sharded_param) for p in self.fsdp_params)
         layout = self._layout
-        # The gradients' dtype: that of the trainable parameters (see [Note: Mixed-dtype groups])
+        # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
-        if trainable:
-            self.orig_dtype = trainable[0]
-        else:
-            self.orig_dtype = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
+        fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
+        self.orig_dtype = trainable[0] if trainable else fallback
         self.param_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, self.orig_dtype)
-        unsharded_device = self.device if self.offload else None
         for p, dtype in zip(self.fsdp_params, layout.dtypes):
-            # mixed dtypes: each floating parameter is cast on its own, others kept
-            p.param_dtype = resolve_dtypes(self.mp_policy, dtype)[0] if layout.mixed else (
-                self.param_dtype
-            )
-            p.unsharded_device = unsharded_device
+            p.param_dtype = resolve_dtypes(self.mp_policy, dtype)[0]  # floating ones only
+            p.unsharded_device = self.device if self.offload else None
         # Without a cast or a move the flat buffer is the all-gather input itself.
-        self._copy_in = (self.offload and self.device.type != "cpu") or (
-            any(p.param_dtype is not None for p in self.fsdp_params)
-            if layout.mixed
-            else self.param_dtype is not None
+        self._copy_in = (self.offload and self.device.type != "cpu") or any(
+            p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0
         )
 
     def _slot(self, index: int) -> torch.Tensor:
@@ -260,7 +252,7 @@ class FSDPParamGroup:
             self._is_unsharded = True
             return
         if layout.mixed:  # gathered as bytes, in slot order
-            dtype, shard_numel = torch.uint8, self._gathered_nbytes()
+            dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
         else:
             dtype, shard_numel = self.param_dtype or layout.dtype, layout.numel
         output = collectives.all_gather_output(
@@ -280,13 +272,6 @@ class FSDPParamGroup:
         self._pending_unshard = (work, output, ag_input)
         if not async_op:
             self.wait_for_unshard()
-
-    def _gathered_nbytes(self) -> int:
-        """Bytes per rank that a mixed-dtype group gathers (shards in their unsharded dtypes)."""
-        return sum(
-            p.flat_numel * (p.param_dtype or dtype).itemsize
-            for p, dtype in zip(self.fsdp_params, self._layout.dtypes)
-        )
 
     def _unshard_staged(self, async_op: bool) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
@@ -485,22 +470,10 @@ class FSDPParamGroup:
                 grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
-        if self._layout.mixed:
-            self._check_grad_dtypes(with_grad)
+        if self._layout.mixed:  # requires_grad may have changed since lazy init
+            check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
             self._reduce_scatter(with_grad, grads)
-
-    def _check_grad_dtypes(self, with_grad: list[FSDPParam]) -> None:
-        """Mixed-dtype group: gradients must come from parameters of the trainable dtype."""
-        odd = [p for p in with_grad if p.dtype != self.orig_dtype]
-        if odd:
-            listing = ", ".join(f"'{p.fqn}' ({p.dtype})" for p in odd)
-            raise ValueError(
-                f"{listing} got gradients, but group '{self.module_fqn}' reduces gradients "
-                f"in {self.orig_dtype}, the dtype of its parameters that required grad at "
-                "fully_shard and at the first forward. Set requires_grad before the first "
-                "forward, keeping one dtype among trainable parameters of a group."
-            )
 
     def _hold_unsharded_grads(self) -> None:
         """Keep the unsharded gradients for the next backward to add to.

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _impl import MixedPrecisionPolicy, fully_shard
+from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from checks import (
     ATOL,
@@ -242,3 +242,24 @@ def _unfrozen_body(rank, world_size):
 def test_mixed_trainable_dtypes_rejected_by_first_forward():
     """Unfreezing a bf16 param next to fp32 trainable ones after fully_shard fails at the first forward."""
     run_ranks(_unfrozen_body, 1)
+
+
+def _unfrozen_messages_body(rank, world_size):
+    model = _build()
+    _shard(model, mesh=cpu_mesh())
+    model.blocks[0].base.requires_grad_(True)
+    with pytest.raises(ValueError, match="blocks.0.base.weight") as info:
+        model(mlp_batch(0, 2)[0])
+    assert "requires_grad_(False)" in str(info.value) and "blocks.0.proj.weight" in str(info.value)
+    model.blocks[0].base.requires_grad_(False)
+    _loss(model, mlp_batch(0, 2)).backward()  # lazy init done: gradients reduce in float32
+    model.blocks[1].base.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"'blocks.1.base.weight' \(bfloat16\)") as info:
+        _loss(model, mlp_batch(1, 2)).backward()
+    assert "float32" in str(info.value)
+
+
+@fsdp2_only
+def test_mixed_trainable_dtypes_messages():
+    """fsdp2's ValueErrors name the params, dtypes and fix, at lazy init and after it (upstream: AssertionError)."""
+    run_ranks(_unfrozen_messages_body, 1)
