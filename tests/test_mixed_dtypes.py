@@ -58,6 +58,8 @@ class MixedBlock(nn.Module):
 
 
 class MixedModel(nn.Module):
+    """Two mixed-dtype blocks and an fp32 head (the root's own group)."""
+
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([MixedBlock(7, 13), MixedBlock(13, 5)])
@@ -79,6 +81,13 @@ def _shard(model: MixedModel, **kwargs) -> MixedModel:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _make_sharded(reshard_after_forward=None, **kwargs):
+    """(reference, sharded copy): blocks, then the root, on a 1-D CPU mesh."""
+    ref, model = make_pair(_build)
+    _shard(model, mesh=cpu_mesh(), reshard_after_forward=reshard_after_forward, **kwargs)
+    return ref, model
 
 
 def _loss(model: nn.Module, batch) -> torch.Tensor:
@@ -139,12 +148,6 @@ def _parity_body(rank, world_size, reshard_after_forward):
         if name in frozen:
             assert p.grad is None, f"frozen {name} got a gradient"
             torch.testing.assert_close(p.full_tensor(), frozen[name], rtol=0, atol=0)
-
-
-def _make_sharded(reshard_after_forward=None, **kwargs):
-    ref, model = make_pair(_build)
-    _shard(model, mesh=cpu_mesh(), reshard_after_forward=reshard_after_forward, **kwargs)
-    return ref, model
 
 
 @pytest.mark.parametrize(
