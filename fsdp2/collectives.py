@@ -9,7 +9,8 @@ this rank's block of the all-gather output, which is then gathered in place.
 All-gather output: ``W`` rank-major blocks, each the concatenation of every
 parameter's padded shard. A group of one parameter gathers straight into that
 parameter's padded full buffer (no copy-out); otherwise one
-``split_with_sizes_copy`` scatters the blocks into each parameter's buffer.
+``split_with_sizes_copy`` scatters the blocks into each parameter's buffer
+(as bytes for a group of several dtypes).
 Reduce-scatter input: the same rank-major layout built from the unsharded
 gradients by one ``chunk_cat`` kernel (which also converts them to the
 reduce dtype), or the gradient itself when the group has one evenly
@@ -95,14 +96,21 @@ def all_gather_output(
 
 
 def copy_out(output: torch.Tensor, fsdp_params: list[FSDPParam], world_size: int) -> None:
-    """Scatter the rank-major all-gather output into each parameter's buffer."""
+    """Scatter the rank-major all-gather output into each parameter's buffer.
+
+    A ``uint8`` output holds parameters of several dtypes as bytes, in
+    ``fsdp_params`` order (see [Note: Mixed-dtype groups] in flat_shard.py).
+    """
     if len(fsdp_params) == 1:
         return  # gathered straight into the parameter's buffer
+    outs = [p.alloc_unsharded() for p in fsdp_params]
+    if output.dtype == torch.uint8:
+        outs = [o.view(torch.uint8) for o in outs]
     torch.split_with_sizes_copy(
         output.view(world_size, -1),
-        [p.padded_shard_numel for p in fsdp_params],
+        [o.numel() // world_size for o in outs],
         dim=1,
-        out=[p.alloc_unsharded().view(world_size, -1) for p in fsdp_params],
+        out=[o.view(world_size, -1) for o in outs],
     )
 
 

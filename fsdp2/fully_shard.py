@@ -20,6 +20,7 @@ from .mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
+from .mixed_precision import check_trainable_dtypes
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -125,14 +126,8 @@ def fully_shard(
         p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
     }
     spmd_meshes = _spmd_meshes(params, mesh)
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{names[p]}': {p.dtype}" for p in params)
-        raise ValueError(
-            "fully_shard needs one dtype per group, got several: "
-            f"{listing}. Cast the module (e.g. module.float()) or shard the "
-            "differently typed submodule with its own fully_shard call first."
-        )
+    # Frozen parameters may differ (see [Note: Mixed-dtype groups] in flat_shard.py).
+    check_trainable_dtypes((names[p], p) for p in params)
     _move_buffers(modules, ignored, device)
     group = None
     if params:

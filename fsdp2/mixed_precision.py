@@ -16,13 +16,17 @@ parameters, one training step casts at exactly these points:
    becomes the sharded gradients, so the optimizer sees fp32 only.
 
 Everything else (sharded parameters, optimizer state, buffers) keeps its
-dtype. Non-floating-point parameters are never cast.
+dtype. Non-floating-point parameters are never cast. In a group of several
+dtypes (see [Note: Mixed-dtype groups] in flat_shard.py) each parameter is
+cast on its own: floating ones to ``param_dtype``, others kept; the group's
+gradients are those of its trainable parameters, which share one dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -48,6 +52,43 @@ def resolve_dtypes(
     if param_dtype == orig_dtype or not orig_dtype.is_floating_point:
         param_dtype = None
     return param_dtype, reduce_dtype
+
+
+def check_trainable_dtypes(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fail clearly unless the parameters that require grad share one dtype.
+
+    A group reduces its gradients in one reduce-scatter of one dtype; frozen
+    parameters are only gathered (as bytes when dtypes differ), so any dtype
+    is fine for them. Upstream asserts the same at lazy init.
+    """
+    trainable = [(name, p.dtype) for name, p in named_params if p.requires_grad]
+    if len({dtype for _, dtype in trainable}) <= 1:
+        return
+    listing = ", ".join(f"'{name}': {str(dtype).removeprefix('torch.')}" for name, dtype in trainable)
+    raise ValueError(
+        "The parameters of one fully_shard group that require grad must share one dtype "
+        f"(their gradients are reduced together), got {listing}. Cast them to one dtype "
+        "(e.g. module.float()), freeze the ones you do not train (requires_grad_(False); "
+        "frozen parameters may have any dtype), or shard the differently typed submodule "
+        "with its own fully_shard call first."
+    )
+
+
+def check_grad_dtypes(named_dtypes: list[tuple[str, torch.dtype]], dtype: torch.dtype) -> None:
+    """Fail clearly if parameters not of the group's gradient ``dtype`` got gradients.
+
+    Catches parameters of another dtype unfrozen after the first forward,
+    which fixed the group's gradient dtype.
+    """
+    odd = [(name, d) for name, d in named_dtypes if d != dtype]
+    if odd:
+        listing = ", ".join(f"'{name}' ({str(d).removeprefix('torch.')})" for name, d in odd)
+        raise ValueError(
+            f"{listing} got gradients, but their group reduces gradients in "
+            f"{str(dtype).removeprefix('torch.')}, the dtype of its parameters that required "
+            "grad at the first forward. Set requires_grad before the first forward, keeping "
+            "one dtype among the trainable parameters of a fully_shard group."
+        )
 
 
 def input_cast_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:

@@ -1,7 +1,8 @@
 """FSDPParamGroup: unshard, reshard and reduce the parameters of one fully_shard call.
 
 A group owns one flat buffer holding every parameter's padded shard (see
-[Note: Sharded parameter storage] in param.py); that buffer is the all-gather
+[Note: Sharded parameter storage] in param.py, and [Note: Mixed-dtype groups]
+in flat_shard.py for groups of several dtypes); that buffer is the all-gather
 input. Each use of the group costs one all-gather and, in backward, one
 reduce-scatter (see [Note: Copies around the collectives]), plus one
 all-reduce over the replicate group for HSDP.
@@ -51,8 +52,9 @@ import torch.nn as nn
 from . import collectives, staged_collectives
 from ._torch_compat import local_tensor
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .flat_shard import FlatShardLayout
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import resolve_dtypes
+from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 
@@ -126,12 +128,7 @@ class FSDPParamGroup:
                 f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
                 "pass True or False"
             )
-        self._offsets = []
-        offset = 0
-        for p in fsdp_params:
-            self._offsets.append(offset)
-            offset += p.flat_numel
-        self._total_shard_numel = offset
+        self._layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources])
         # See [Note: CPU offload]
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -142,16 +139,15 @@ class FSDPParamGroup:
             buffer_device = torch.device("meta")
         else:
             buffer_device = torch.device("cpu") if self.offload else device
-        self._sharded_flat = self._new_flat(sources[0].dtype, buffer_device)
+        self._sharded_flat = self._new_flat(buffer_device)
         for i, (p, src) in enumerate(zip(fsdp_params, sources)):
             p.bind_sharded(self._slot(i), src if on_meta else src.to(buffer_device))
         self._init_dtypes()
 
     # ---- buffers ------------------------------------------------------------
 
-    def _new_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        pin = self._pin_memory and device.type == "cpu"
-        return torch.zeros(self._total_shard_numel, dtype=dtype, device=device, pin_memory=pin)
+    def _new_flat(self, device: torch.device) -> torch.Tensor:
+        return self._layout.new_buffer(device, self._pin_memory and device.type == "cpu")
 
     def _init_dtypes(self) -> None:
         """Resolve the mixed precision dtypes and where the all-gather input comes from.
@@ -160,36 +156,42 @@ class FSDPParamGroup:
         dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
         See [Note: Mixed precision cast points] in mixed_precision.py.
         """
-        self.orig_dtype = self._sharded_flat.dtype
+        check_trainable_dtypes((p.fqn, p.sharded_param) for p in self.fsdp_params)
+        layout = self._layout
+        # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
+        trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
+        fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
+        self.orig_dtype = trainable[0] if trainable else fallback
         self.param_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, self.orig_dtype)
-        unsharded_device = self.device if self.offload else None
-        for p in self.fsdp_params:
-            p.param_dtype = self.param_dtype
-            p.unsharded_device = unsharded_device
+        for p, dtype in zip(self.fsdp_params, layout.dtypes):
+            p.param_dtype = resolve_dtypes(self.mp_policy, dtype)[0]  # floating ones only
+            p.unsharded_device = self.device if self.offload else None
             if p.extension is not None:  # upstream resolves these per parameter
                 p.extension.mp_policy = self.mp_policy
-                p.extension.param_dtype = resolve_dtypes(self.mp_policy, p.dtype)[0] or p.dtype
+                p.extension.param_dtype = p.param_dtype or p.dtype
         # Without a cast or a move the flat buffer is the all-gather input itself.
-        self._copy_in = self.param_dtype is not None or (
-            self.offload and self.device.type != "cpu"
+        self._copy_in = (self.offload and self.device.type != "cpu") or any(
+            p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0
         )
 
     def _slot(self, index: int) -> torch.Tensor:
-        start = self._offsets[index]
-        return self._sharded_flat[start : start + self.fsdp_params[index].flat_numel]
+        return self._layout.slot(self._sharded_flat, index)
 
     def reset_sharded_params(self) -> None:
         """Re-establish the sharded parameters as views of the flat buffer.
 
         ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``) and
         ``load_state_dict(assign=True)`` give parameters new local tensors;
-        their values are copied back into a (possibly new) flat buffer.
+        their values are copied back into a (possibly new) flat buffer, laid
+        out for the dtypes they have now.
         """
         for p in self.fsdp_params:
             p.adopt_registered()
-        first = local_tensor(self.fsdp_params[0].sharded_param)
-        if self._sharded_flat.device != first.device or self._sharded_flat.dtype != first.dtype:
-            self._sharded_flat = self._new_flat(first.dtype, first.device)
+        locals_ = [local_tensor(p.sharded_param) for p in self.fsdp_params]
+        dtypes = [t.dtype for t in locals_]
+        if self._sharded_flat.device != locals_[0].device or dtypes != self._layout.dtypes:
+            self._layout = FlatShardLayout(self.fsdp_params, dtypes)
+            self._sharded_flat = self._new_flat(locals_[0].device)
         for i, p in enumerate(self.fsdp_params):
             p.rebind_sharded(self._slot(i))
         self._init_dtypes()
@@ -237,7 +239,12 @@ class FSDPParamGroup:
         if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
             return
         world_size = self.mesh_info.shard_mesh_size
-        if self._has_extensions or (self.all_gather_comm is not None and world_size > 1):
+        layout = self._layout
+        if (
+            self._has_extensions
+            or (self.all_gather_comm is not None and world_size > 1)
+            or (layout.mixed and self._copy_in and self._post_forward_flat is None)
+        ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
             return
         if world_size == 1 and not self._copy_in:
@@ -247,12 +254,12 @@ class FSDPParamGroup:
                 p.to_unsharded()
             self._is_unsharded = True
             return
+        if layout.mixed:  # gathered as bytes, in slot order
+            dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
+        else:
+            dtype, shard_numel = self.param_dtype or layout.dtype, layout.numel
         output = collectives.all_gather_output(
-            self.fsdp_params,
-            self._total_shard_numel,
-            world_size,
-            self.param_dtype or self.orig_dtype,
-            self.device,
+            self.fsdp_params, shard_numel, world_size, dtype, self.device
         )
         if self._post_forward_flat is not None:
             # kept (and freed) until wait_for_unshard: the collective reads it
@@ -275,7 +282,8 @@ class FSDPParamGroup:
         for i, p in enumerate(self.fsdp_params):
             if p.extension is None:  # in the unsharded dtype and on the device, as upstream
                 slot = self._slot(i)
-                inputs.append([slot.to(device=self.device, dtype=self.param_dtype or slot.dtype)])
+                dtype = p.param_dtype or slot.dtype
+                inputs.append([slot.to(self.device, dtype, non_blocking=self._pin_memory)])
                 continue
             local = local_tensor(p.sharded_param)
             if self.offload:  # upstream hands the pre hook the shard on the device
@@ -323,7 +331,8 @@ class FSDPParamGroup:
         if work is not None:
             work.wait()
         self._post_forward_flat = None
-        collectives.copy_out(output, self.fsdp_params, self.mesh_info.shard_mesh_size)
+        params = self._layout.in_order(self.fsdp_params)
+        collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
@@ -360,9 +369,11 @@ class FSDPParamGroup:
         info = self.post_forward_mesh_info
         num_blocks = self.mesh_info.shard_mesh_size // info.size
         start = info.rank * num_blocks
-        kept = torch.cat(
-            [p.gathered_blocks(start, start + num_blocks) for p in self.fsdp_params], dim=1
-        )
+        params = self._layout.in_order(self.fsdp_params)
+        blocks = [p.gathered_blocks(start, start + num_blocks) for p in params]
+        if self._layout.mixed:  # See [Note: Mixed-dtype groups]
+            blocks = [b.view(torch.uint8) for b in blocks]
+        kept = torch.cat(blocks, dim=1)
         self.reshard()
         self._post_forward_flat = kept.view(-1)
         for p in self.fsdp_params:
@@ -463,6 +474,8 @@ class FSDPParamGroup:
                 grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
+        if self._layout.mixed:  # requires_grad may have changed since lazy init
+            check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
             self._reduce_scatter(with_grad, grads)
 

@@ -140,21 +140,30 @@ class FSDPState:
         devices = {s.param_group.device for s in ctx.all_states if s.param_group is not None}
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
-        for state in ctx.all_states:
-            group = state.param_group
-            if group is None:
-                continue
-            group.ctx = ctx.iter_ctx
-            group.module_fqn = ", ".join(module_fqns.get(m, "?") for m in state.modules)
-            for p in group.fsdp_params:
-                module, name = p.module_infos[0]
-                prefix = module_fqns.get(module, "")
-                p.fqn = f"{prefix}.{name}" if prefix else name
-            group.reset_sharded_params()
-            group.check_materialized()
-            group.check_offloaded()
+        try:
+            for state in ctx.all_states:
+                state._lazy_init_group(module_fqns, ctx)
+        except BaseException:
+            for state in ctx.all_states:
+                state.is_root = None  # the user may fix the error: lazy init runs again
+            raise
         logger.debug("lazy init: root %s with %d FSDP states", type(root_module).__name__,
                      len(ctx.all_states))
+
+    def _lazy_init_group(self, module_fqns: dict[nn.Module, str], ctx: _RootContext) -> None:
+        """Name this state's group and its parameters by FQN under the root, then validate it."""
+        group = self.param_group
+        if group is None:
+            return
+        group.ctx = ctx.iter_ctx
+        group.module_fqn = ", ".join(module_fqns.get(m, "?") for m in self.modules)
+        for p in group.fsdp_params:
+            module, name = p.module_infos[0]
+            prefix = module_fqns.get(module, "")
+            p.fqn = f"{prefix}.{name}" if prefix else name
+        group.reset_sharded_params()
+        group.check_materialized()
+        group.check_offloaded()
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""

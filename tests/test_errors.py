@@ -52,7 +52,9 @@ def test_non_contiguous_param_value_error_names_param():
 
 def _mixed_dtype_model() -> MLP:
     model = build_mlp()
-    model.mid_proj.double()  # mid_proj.{weight,bias} float64, the rest float32
+    # mid_proj.{weight,bias} float64, the rest float32, all trainable (frozen ones may
+    # differ: see test_mixed_dtypes.py)
+    model.mid_proj.double()
     return model
 
 
@@ -66,11 +68,12 @@ def _mixed_dtype_body(rank, world_size):
     assert any(
         n in msg for n in ("in_proj.weight", "in_proj.bias", "out_proj.weight", "out_proj.bias")
     ), f"no float32 param named: {msg}"
+    assert "requires_grad_(False)" in msg and "own fully_shard" in msg, f"no fix named: {msg}"
 
 
 @fsdp2_only
 def test_mixed_dtypes_in_group_value_error():
-    """A group mixing float32 and float64 params fails at fully_shard naming both dtypes and params."""
+    """A group mixing trainable float32 and float64 params fails at fully_shard naming dtypes, params and fixes."""
     run_ranks(_mixed_dtype_body, 1)
 
 
@@ -83,7 +86,7 @@ def _mixed_dtype_any_body(rank, world_size):
 
 
 def test_mixed_dtypes_rejected_by_first_forward():
-    """Mixed param dtypes in one group are rejected no later than the first forward (upstream: AssertionError)."""
+    """Mixed trainable param dtypes in one group are rejected by the first forward (upstream: AssertionError)."""
     run_ranks(_mixed_dtype_any_body, 1)
 
 
