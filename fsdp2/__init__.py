@@ -12,19 +12,21 @@ from .optim import clip_grad_norm_, enable_local_shard_step
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
 __all__ = [
-    "fully_shard",
+    # torch.distributed.fsdp's public API, same names and signatures
+    "CPUOffloadPolicy",
     "FSDPModule",
-    "UnshardHandle",
-    "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
-    "CPUOffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    # fsdp2's own tools
+    "IncompatibleKeys",
     "clip_grad_norm_",
     "enable_local_shard_step",
     "get_full_state_dict",
-    "set_full_state_dict",
-    "IncompatibleKeys",
-    "save_checkpoint",
     "load_checkpoint",
+    "save_checkpoint",
+    "set_full_state_dict",
 ]
 __version__ = "0.1.0"

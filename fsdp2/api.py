@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -32,9 +34,9 @@ class MixedPrecisionPolicy:
             ``param_dtype`` (when that is set).
     """
 
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
+    param_dtype: DtypeOrNone = None
+    reduce_dtype: DtypeOrNone = None
+    output_dtype: DtypeOrNone = None
     cast_forward_inputs: bool = True
 
 

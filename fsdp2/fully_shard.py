@@ -30,17 +30,23 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 
 _fsdp_classes: dict[type, type] = {}
 
+# The argument types of fully_shard (see its docstring).
+MeshArg = DeviceMesh | None
+ReshardArg = bool | int | None
+PlacementFnArg = Callable[[nn.Parameter], Shard | None] | None
+IgnoredArg = set[nn.Parameter] | None
+
 
 @overload
 def fully_shard(
     module: nn.Module,
     *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mesh: MeshArg = ...,
+    reshard_after_forward: ReshardArg = ...,
+    shard_placement_fn: PlacementFnArg = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
+    ignored_params: IgnoredArg = ...,
 ) -> FSDPModule: ...
 
 
@@ -48,12 +54,12 @@ def fully_shard(
 def fully_shard(
     module: list[nn.Module],
     *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mesh: MeshArg = ...,
+    reshard_after_forward: ReshardArg = ...,
+    shard_placement_fn: PlacementFnArg = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
+    ignored_params: IgnoredArg = ...,
 ) -> list[FSDPModule]: ...
 
 

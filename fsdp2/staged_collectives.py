@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import collectives
 from .param import FSDPParam
@@ -31,34 +32,34 @@ from .param import FSDPParam
 class AllGather(Protocol):
     """What ``FSDPModule.set_custom_all_gather`` accepts."""
 
-    def allocate(
-        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The all-gather output buffer (this rank's input is its block ``rank``)."""
+        ...
 
     def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None: ...
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        """Gather every rank's ``input_tensor`` into ``output_tensor``."""
+        ...
 
 
 class ReduceScatter(Protocol):
     """What ``FSDPModule.set_custom_reduce_scatter`` accepts."""
 
-    def allocate(
-        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A reduce-scatter input or output buffer."""
+        ...
 
     def __call__(
         self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
         group: dist.ProcessGroup,
-        op: Any,
+        op: Any,  # a dist.ReduceOp, or NCCL's pre-multiplied sum
         async_op: bool = False,
-    ) -> dist.Work | None: ...
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` over ``group`` and keep this rank's block in ``output_tensor``."""
+        ...
 
 
 def check_comm(comm: Any, what: str) -> None:
