@@ -106,6 +106,57 @@ def _collective_op(args: tuple, kwargs: dict):
     return kwargs.get("op", args[2] if len(args) > 2 else dist.ReduceOp.SUM)
 
 
+_PATCHED = {
+    "all_gather": _ALL_GATHERS,
+    "reduce_scatter": _REDUCE_SCATTERS,
+    "all_reduce": ("all_reduce",),
+}
+
+
+# The tensor-in, tensor-out collectives (no list variants): what fsdp2 issues.
+TENSOR_COLLECTIVES = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_reduce": ("all_reduce",),
+}
+
+
+@contextlib.contextmanager
+def on_collectives(callback, patched: dict = _PATCHED):
+    """Call ``callback(kind, args, kwargs)`` before every public torch.distributed collective.
+
+    ``kind`` is "all_gather", "reduce_scatter" or "all_reduce". A collective
+    implemented by another one (e.g. ``all_gather_into_tensor`` calling
+    ``_all_gather_base``) is reported once: nested calls are not.
+    """
+    depth = [0]
+    saved = {}
+
+    def wrap(kind, name):
+        orig = saved[name] = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                callback(kind, args, kwargs)
+            depth[0] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(dist, name, wrapper)
+
+    for kind, names in patched.items():
+        for name in names:
+            if hasattr(dist, name):
+                wrap(kind, name)
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(dist, name, orig)
+
+
 @contextlib.contextmanager
 def count_collectives(log: list | None = None):
     """Count public torch.distributed all-gather / reduce-scatter calls (nested calls count once).
@@ -115,82 +166,31 @@ def count_collectives(log: list | None = None):
     the all-gather output's / reduce-scatter input's.
     """
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    depth = {"all_gather": 0, "reduce_scatter": 0}
-    saved = {}
 
-    def wrap(kind, name):
-        orig = getattr(dist, name)
-        saved[name] = orig
+    def count(kind, args, kwargs):
+        if kind not in counts:
+            return
+        counts[kind] += 1
+        if log is not None:
+            entry = (kind, _collective_numel(kind, args, kwargs))
+            if kind == "reduce_scatter":
+                entry += (_collective_op(args, kwargs),)
+            log.append(entry)
 
-        def wrapper(*args, **kwargs):
-            if depth[kind] == 0:
-                counts[kind] += 1
-                if log is not None:
-                    entry = (kind, _collective_numel(kind, args, kwargs))
-                    if kind == "reduce_scatter":
-                        entry += (_collective_op(args, kwargs),)
-                    log.append(entry)
-            depth[kind] += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                depth[kind] -= 1
-
-        setattr(dist, name, wrapper)
-
-    for name in _ALL_GATHERS:
-        if hasattr(dist, name):
-            wrap("all_gather", name)
-    for name in _REDUCE_SCATTERS:
-        if hasattr(dist, name):
-            wrap("reduce_scatter", name)
-    try:
+    with on_collectives(count):
         yield counts
-    finally:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)
-
-
-
-
-_RECORDED = {
-    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
-    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
-    "all_reduce": ("all_reduce",),
-}
 
 
 @contextlib.contextmanager
 def record_collectives():
     """Record ``(kind, group size)`` of every public all-gather / reduce-scatter / all-reduce."""
     calls: list[tuple[str, int]] = []
-    depth = [0]
-    saved = {}
 
-    def wrap(kind, name):
-        orig = getattr(dist, name)
-        saved[name] = orig
+    def record(kind, args, kwargs):
+        calls.append((kind, dist.get_world_size(kwargs.get("group"))))
 
-        def wrapper(*args, **kwargs):
-            if depth[0] == 0:
-                calls.append((kind, dist.get_world_size(kwargs.get("group"))))
-            depth[0] += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        setattr(dist, name, wrapper)
-
-    for kind, names in _RECORDED.items():
-        for name in names:
-            if hasattr(dist, name):
-                wrap(kind, name)
-    try:
+    with on_collectives(record, TENSOR_COLLECTIVES):
         yield calls
-    finally:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)
 
 
 def run_cases(rank: int, world_size: int, cases: dict) -> dict:
@@ -227,33 +227,14 @@ def record_collective_bytes():
     rank sends, so the bytes show what the collective really carries.
     """
     calls: list[tuple[str, torch.dtype, int]] = []
-    depth = [0]
-    saved = {}
 
-    def wrap(kind, name):
-        orig = getattr(dist, name)
-        saved[name] = orig
+    def record(kind, args, kwargs):
+        if kind == "all_reduce":
+            return
+        inp = kwargs.get("input_tensor", kwargs.get("input"))
+        if inp is None:
+            inp = args[1]
+        calls.append((kind, inp.dtype, inp.numel() * inp.element_size()))
 
-        def wrapper(*args, **kwargs):
-            if depth[0] == 0:
-                inp = kwargs.get("input_tensor", kwargs.get("input"))
-                if inp is None:
-                    inp = args[1]
-                calls.append((kind, inp.dtype, inp.numel() * inp.element_size()))
-            depth[0] += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        setattr(dist, name, wrapper)
-
-    for kind in ("all_gather", "reduce_scatter"):
-        for name in _RECORDED[kind]:
-            if hasattr(dist, name):
-                wrap(kind, name)
-    try:
+    with on_collectives(record, TENSOR_COLLECTIVES):
         yield calls
-    finally:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import RankError, run_ranks
+from checks import TENSOR_COLLECTIVES, on_collectives
 from models import (
     build_mlp,
     build_transformer,
@@ -283,37 +284,16 @@ def _check_per_module_policies(rank, world_size, metrics):
 def _record_collectives():
     """Record (kind, dtype, bytes) of every all-gather / reduce-scatter output."""
     calls: list[tuple[str, torch.dtype, int]] = []
-    saved = {}
-    names = {
-        "all_gather": ("all_gather_single", "all_gather_into_tensor"),
-        "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
-    }
-    depth = [0]
 
-    def wrap(kind, name):
-        orig = saved[name] = getattr(dist, name)
+    def record(kind, args, kwargs):
+        if kind == "all_reduce":
+            return
+        output, input = args[0], args[1]
+        assert input.dtype == output.dtype, (kind, input.dtype, output.dtype)
+        calls.append((kind, output.dtype, output.numel() * output.element_size()))
 
-        def wrapper(output, input, *args, **kwargs):
-            if depth[0] == 0:
-                assert input.dtype == output.dtype, (name, input.dtype, output.dtype)
-                calls.append((kind, output.dtype, output.numel() * output.element_size()))
-            depth[0] += 1
-            try:
-                return orig(output, input, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        setattr(dist, name, wrapper)
-
-    for kind, fns in names.items():
-        for name in fns:
-            if hasattr(dist, name):
-                wrap(kind, name)
-    try:
+    with on_collectives(record, TENSOR_COLLECTIVES):
         yield calls
-    finally:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)
 
 
 def _check_collective_dtypes(rank, world_size, metrics):
