@@ -288,7 +288,11 @@ def _record_collectives():
     def record(kind, args, kwargs):
         if kind == "all_reduce":
             return
-        output, input = args[0], args[1]
+        names = ("output_tensor", "output"), ("input_tensor", "input")
+        output, input = (
+            args[i] if len(args) > i else next(kwargs[n] for n in keys if n in kwargs)
+            for i, keys in enumerate(names)
+        )
         assert input.dtype == output.dtype, (kind, input.dtype, output.dtype)
         calls.append((kind, output.dtype, output.numel() * output.element_size()))
 
