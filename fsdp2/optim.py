@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import dtensor_like, foreach_mul, foreach_norm, local_tensor
+from ._torch_compat import (
+    dtensor_like,
+    foreach_mul,
+    foreach_norm,
+    local_tensor,
+    strided_split_factor,
+)
 
 __all__ = ["clip_grad_norm_", "enable_local_shard_step"]
 
@@ -195,7 +201,12 @@ def clip_grad_norm_(
 
 def _sharded_mesh_dims(dtensor: DTensor) -> tuple[int, ...]:
     """Mesh dims over which the local values are disjoint pieces (reduce the norm there)."""
-    return tuple(i for i, p in enumerate(dtensor.placements) if p.is_shard() or p.is_partial())
+    return tuple(
+        i
+        for i, p in enumerate(dtensor.placements)
+        # a strided shard (FSDP over a TP-sharded dim) is not a Shard on torch 2.13
+        if p.is_shard() or p.is_partial() or strided_split_factor(p) is not None
+    )
 
 
 def _local_norm_power(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 from _impl import fully_shard
 from _multiproc import RankError, run_ranks
 from checks import (
+    ATOL,
+    RTOL,
     assert_losses_match,
     assert_nested_close,
     check_case,
@@ -38,7 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2 import get_full_state_dict, set_full_state_dict
+from fsdp2 import clip_grad_norm_, get_full_state_dict, set_full_state_dict
 from fsdp2._torch_compat import strided_split_factor
 
 STEPS = 3
@@ -98,6 +100,16 @@ def _tp_parity(rank, world_size, dp_dims):
     )
     assert_losses_match(ref_losses, losses)
     assert_params_match(ref, model)  # full_tensor() of every parameter
+    # fsdp2.clip_grad_norm_ across the 2-D / 3-D and dp-only meshes in one model
+    # (torch.nn.utils.clip_grad_norm_ cannot stack norms from different meshes).
+    batch = transformer_batch(STEPS, 2 * dp_mesh.size())
+    transformer_loss(ref, batch).backward()
+    transformer_loss(model, rank_slice(batch, _dp_rank(dp_mesh), dp_mesh.size())).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    norm = clip_grad_norm_(model.parameters(), 0.1)
+    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def _full_state_dict(rank, world_size, dp_dims):
