@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _multiproc import RankError, run_ranks
 from models import assert_grads_match, global_mean, rank_slice
 from torch.distributed.tensor import DTensor, Shard
 
@@ -191,6 +192,23 @@ def record_collectives():
 
     with on_collectives(record, TENSOR_COLLECTIVES):
         yield calls
+
+
+_LAUNCHES: dict = {}
+
+
+def launch_cases(key: object, world_size: int, cases: dict) -> tuple[bool, object]:
+    """Run ``cases`` (see ``run_cases``) in one launch per ``key``, reused by later tests.
+
+    Returns ``(True, per-rank results)`` or ``(False, the launch's error text)``;
+    ``check_case`` turns one case's outcome into a pass or a failure.
+    """
+    if key not in _LAUNCHES:
+        try:
+            _LAUNCHES[key] = (True, run_ranks(run_cases, world_size, cases))
+        except RankError as e:
+            _LAUNCHES[key] = (False, str(e))
+    return _LAUNCHES[key]
 
 
 def run_cases(rank: int, world_size: int, cases: dict) -> dict:

@@ -12,8 +12,7 @@ import functools
 
 import torch
 from _impl import fully_shard
-from _multiproc import RankError, run_ranks
-from checks import assert_losses_match, check_case, count_collectives, make_opts, run_cases
+from checks import assert_losses_match, check_case, count_collectives, launch_cases, make_opts
 from models import (
     Transformer,
     assert_grads_match,
@@ -136,16 +135,9 @@ CASES = {
     "checkpoint_outside_no_early_stop": _case_checkpoint_outside(False),
     "checkpoint_inside_fn": _case_checkpoint_inside_fn,
 }
-_RESULT: list = []
-
 
 def _outcome():
-    if not _RESULT:
-        try:
-            _RESULT.append((True, run_ranks(run_cases, 2, CASES)))
-        except RankError as e:
-            _RESULT.append((False, str(e)))
-    return _RESULT[0]
+    return launch_cases(__name__, 2, CASES)
 
 
 def test_checkpoint_wrapper_inside_fully_shard():

@@ -14,8 +14,7 @@ import copy
 import pytest
 import torch
 from _impl import fully_shard, register_fsdp_forward_method
-from _multiproc import RankError, run_ranks
-from checks import assert_losses_match, check_case, run_cases
+from checks import assert_losses_match, check_case, launch_cases
 from models import assert_grads_match, assert_params_match, cpu_mesh, global_mean
 from torch.distributed.tensor import DTensor
 
@@ -87,16 +86,9 @@ def _case(build):
 
 
 CASES = {"llama": _case(_llama), "gpt2": _case(_gpt2)}
-_RESULT: list = []
-
 
 def _outcome():
-    if not _RESULT:
-        try:
-            _RESULT.append((True, run_ranks(run_cases, 2, CASES)))
-        except RankError as e:
-            _RESULT.append((False, str(e)))
-    return _RESULT[0]
+    return launch_cases(__name__, 2, CASES)
 
 
 def test_hf_llama_parity_and_generate():

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 from _impl import fully_shard
-from _multiproc import RankError, run_ranks
 from checks import (
     assert_losses_match,
     check_case,
+    launch_cases,
     make_opts,
     record_collectives,
-    run_cases,
     train_steps,
 )
 from models import (
@@ -97,16 +96,9 @@ CASES = {
     "all_reduce_counts": _all_reduce_counts,
     "accumulation": _accumulation,
 }
-_LAUNCH: list = []
-
 
 def _result():
-    if not _LAUNCH:
-        try:
-            _LAUNCH.append((True, run_ranks(run_cases, 4, CASES)))
-        except RankError as e:
-            _LAUNCH.append((False, str(e)))
-    return _LAUNCH[0]
+    return launch_cases(__name__, 4, CASES)
 
 
 @pytest.mark.parametrize("mesh_shape", ["2x2", "4x1"])

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 from _impl import fully_shard
-from _multiproc import RankError, run_ranks
-from checks import assert_losses_match, check_case, record_collectives, run_cases, train_steps
+from checks import assert_losses_match, check_case, launch_cases, record_collectives, train_steps
 from models import (
     assert_params_match,
     build_transformer,
@@ -78,16 +77,9 @@ def _two_meshes(rank, world_size):
 
 
 CASES = {"shard1": _shard1, "reshard_to_two": _reshard_to_two, "two_meshes": _two_meshes}
-_LAUNCH: list = []
-
 
 def _result():
-    if not _LAUNCH:
-        try:
-            _LAUNCH.append((True, run_ranks(run_cases, 4, CASES)))
-        except RankError as e:
-            _LAUNCH.append((False, str(e)))
-    return _LAUNCH[0]
+    return launch_cases(__name__, 4, CASES)
 
 
 def test_shard_placement_fn_shard1():

@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from _impl import fully_shard
-from _multiproc import RankError, run_ranks
 from checks import (
     ATOL,
     RTOL,
     assert_losses_match,
     assert_nested_close,
     check_case,
+    launch_cases,
     make_opts,
-    run_cases,
     train_steps,
 )
 from models import (
@@ -162,20 +161,12 @@ def _full_state_dict(rank, world_size, dp_dims):
         assert torch.equal(p.to_local(), q.to_local()), name
 
 
-_LAUNCHES: dict = {}
-
-
 def _result(world_size: int, dp_dims: tuple):
-    if world_size not in _LAUNCHES:
-        cases = {
-            "tp": lambda r, w: _tp_parity(r, w, dp_dims),
-            "full_state_dict": lambda r, w: _full_state_dict(r, w, dp_dims),
-        }
-        try:
-            _LAUNCHES[world_size] = (True, run_ranks(run_cases, world_size, cases))
-        except RankError as e:
-            _LAUNCHES[world_size] = (False, str(e))
-    return _LAUNCHES[world_size]
+    cases = {
+        "tp": lambda r, w: _tp_parity(r, w, dp_dims),
+        "full_state_dict": lambda r, w: _full_state_dict(r, w, dp_dims),
+    }
+    return launch_cases((__name__, world_size), world_size, cases)
 
 
 def test_fsdp_tp_2d():
