@@ -238,9 +238,7 @@ class FSDPState:
                 if state._modules_to_run:
                     state._modules_to_run.clear()
                     output = state._cast_output(state._finish_forward(output))
-        if self._output_dtype is not None:
-            output = cast_floating(output, self._output_dtype)
-        return output
+        return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
         if self._output_dtype is None:
