@@ -50,6 +50,20 @@ def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local, template._spec, requires_grad=False)
 
 
+def dtensor_parameter(template: DTensor, local: torch.Tensor, requires_grad: bool) -> DTensor:
+    """A leaf DTensor parameter like ``template`` around ``local`` itself.
+
+    ``nn.Parameter(dtensor)`` detaches the DTensor (a dispatch, ~0.2 ms) and
+    the detached copy no longer holds ``local``; ``to_empty`` builds one per
+    parameter. Wraps ``DTensor(local, spec, requires_grad=...)``,
+    ``DTensor._spec`` and the ``_is_param`` flag ``nn.Parameter`` sets on
+    tensor subclasses (torch 2.4 - 2.13).
+    """
+    param = DTensor(local, template._spec, requires_grad=requires_grad)
+    param._is_param = True
+    return param
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current autograd backward pass finishes.
 

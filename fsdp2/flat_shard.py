@@ -1,4 +1,4 @@
-"""FlatShardLayout: where each parameter's padded shard sits in its group's flat buffer.
+"""The flat buffer of a group's padded shards: its layout, and the parameters viewing it.
 
 [Note: Mixed-dtype groups]
 A group whose parameters share one dtype keeps their padded shards in one
@@ -17,12 +17,30 @@ one ``split_with_sizes_copy`` in that same order.
 Only the trainable parameters' gradients are reduced, in one reduce-scatter,
 so those must share one dtype (checked by ``check_trainable_dtypes`` in
 mixed_precision.py); frozen parameters may have any dtype.
+
+[Note: Materialization in any order]
+``nn.Module._apply`` (``to_empty``, ``.to(dtype)``), ``load_state_dict(...,
+assign=True)`` and DCP's loaders replace the sharded parameters (or their
+local tensors) module by module: a group of several modules (``fully_shard([
+norm, lm_head])``), or one whose root is loaded key by key, is for a while
+part materialized and part on ``meta``. So nothing is adopted when a module
+is touched; the group is only marked (``needs_adoption``), and ``adopt``
+runs once, when the group is next needed: at lazy init, before the next
+all-gather, and before ``state_dict``. Adopting takes over the registered
+parameter objects, re-allocates the buffer if their device or dtypes changed
+and copies the values of those that no longer view their slot. A group still
+partly on ``meta`` then stays pending; using it raises an error naming those
+parameters. ``FSDPModule.to_empty`` skips the copy altogether: it allocates
+each whole group's buffer once (uninitialized, as ``to_empty`` promises) and
+makes every parameter a view of its slot.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
+from ._torch_compat import local_tensor
 from .param import FSDPParam
 
 
@@ -52,8 +70,9 @@ class FlatShardLayout:
             self.stops[i] = offset
         self.numel = offset
 
-    def new_buffer(self, device: torch.device, pin_memory: bool) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=self.dtype, device=device, pin_memory=pin_memory)
+    def new_buffer(self, device: torch.device, pin_memory: bool, empty: bool = False) -> torch.Tensor:
+        alloc = torch.empty if empty else torch.zeros
+        return alloc(self.numel, dtype=self.dtype, device=device, pin_memory=pin_memory)
 
     def slot(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s padded shard in ``flat``, in that parameter's dtype."""
@@ -70,3 +89,88 @@ class FlatShardLayout:
     def in_order(self, fsdp_params: list[FSDPParam]) -> list[FSDPParam]:
         """``fsdp_params`` in the order their slots sit in the buffer."""
         return fsdp_params if not self.mixed else [fsdp_params[i] for i in self.order]
+
+
+class FlatShard:
+    """A group's flat buffer and the sharded parameters that view its slots.
+
+    See [Note: Materialization in any order].
+    """
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        sources: list[nn.Parameter],
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self._pin_memory = pin_memory
+        self.layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources])
+        on_meta = any(src.is_meta for src in sources)
+        self.buffer = self._new_buffer(torch.device("meta") if on_meta else device)
+        for i, (p, src) in enumerate(zip(fsdp_params, sources)):
+            p.bind_sharded(self.slot(i), src if on_meta else src.to(device))
+        # Set when the registered parameters may no longer view the buffer.
+        self.needs_adoption = False
+
+    def _new_buffer(self, device: torch.device, empty: bool = False) -> torch.Tensor:
+        pin = self._pin_memory and device.type == "cpu"
+        return self.layout.new_buffer(device, pin, empty)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.layout.slot(self.buffer, index)
+
+    def adopt(self) -> bool:
+        """Make the registered sharded parameters views of the buffer again, keeping values.
+
+        The buffer is re-allocated when their device or dtypes changed. A
+        group that is partly on ``meta`` is left pending (returns ``False``):
+        the rest is adopted once it is materialized too.
+        """
+        for p in self.fsdp_params:
+            p.adopt_registered()
+        locals_ = [local_tensor(p.sharded_param) for p in self.fsdp_params]
+        num_meta = sum(t.is_meta for t in locals_)
+        if 0 < num_meta < len(locals_):
+            self.needs_adoption = True
+            return False
+        dtypes = [t.dtype for t in locals_]
+        if self.buffer.device != locals_[0].device or dtypes != self.layout.dtypes:
+            self.layout = FlatShardLayout(self.fsdp_params, dtypes)
+            self.buffer = self._new_buffer(locals_[0].device, empty=True)
+            self._zero_padding()
+        for i, p in enumerate(self.fsdp_params):
+            p.rebind_sharded(self.slot(i))
+        self.needs_adoption = False
+        return True
+
+    def materialize_empty(self, device: torch.device) -> set[nn.Parameter]:
+        """``to_empty`` for the whole group: one uninitialized buffer, every parameter a view.
+
+        Returns the parameters it placed (empty if this group takes the
+        general path: extensions, or gradients that ``_apply`` must move).
+        """
+        params = self.fsdp_params
+        if any(p.extension is not None or p.sharded_param.grad is not None for p in params):
+            return set()
+        for p in params:
+            p.adopt_registered()
+        dtypes = [local_tensor(p.sharded_param).dtype for p in params]
+        if dtypes != self.layout.dtypes:
+            self.layout = FlatShardLayout(params, dtypes)
+        self.buffer = self._new_buffer(torch.device(device), empty=True)
+        self._zero_padding()
+        for i, p in enumerate(params):
+            p.place_sharded(self.slot(i))
+        self.needs_adoption = False
+        return {p.sharded_param for p in params}
+
+    def _zero_padding(self) -> None:
+        # Padding rows are gathered but never read; zeros keep them deterministic.
+        for i, p in enumerate(self.fsdp_params):
+            if p.extension is None and p.local_rows < p.shard_rows:
+                self.slot(i)[p.local_rows * p.row_numel :].zero_()
+
+    def names_on_meta(self) -> list[str]:
+        return [p.fqn for p in self.fsdp_params if local_tensor(p.sharded_param).is_meta]

@@ -236,7 +236,9 @@ def _managed_params(
         inner = state_of(m)
         if inner is not None and m not in roots:
             if inner.param_group is not None:
-                already_managed.update(p.sharded_param for p in inner.param_group.fsdp_params)
+                for p in inner.param_group.fsdp_params:
+                    p.adopt_registered()  # it may have been replaced (load_state_dict(assign=True))
+                    already_managed.add(p.sharded_param)
             continue
         for name, p in m._parameters.items():
             if p is None or p in ignored:

@@ -99,6 +99,7 @@ class FSDPModule:
         group = state.param_group
         if group is not None:
             if state.is_root is None:  # before the first forward's lazy init
+                group.adopt_params()
                 group.check_materialized()
             group.unshard(async_op=async_op)
         handle = _GroupUnshardHandle(group)
@@ -325,14 +326,42 @@ class FSDPModule:
             group.reduce_scatter_comm = comm
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # to_empty(), .to() and friends replace local tensors: keep the
-        # sharded parameters views of the group's flat buffer afterwards.
+        # to_empty(), .to() and friends replace local tensors, module by
+        # module: the group adopts them once it is next needed (see
+        # [Note: Materialization in any order] in flat_shard.py).
         self.reshard()
         result = super()._apply(*args, **kwargs)
         group = self._fsdp_state().param_group
         if group is not None:
-            group.reset_sharded_params()
+            group.mark_params_replaced()
         return result
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
+        """``nn.Module.to_empty``, allocating each FSDP group's shards in one buffer.
+
+        Every group whose modules all lie under this one gets one
+        uninitialized flat buffer on ``device`` that its sharded parameters
+        view (what they would otherwise become at the first forward, with a
+        copy); everything else is moved as ``nn.Module.to_empty`` does.
+        """
+        placed: set[nn.Parameter] = set()
+        inside = set(self.modules()) if recurse else set()
+        if recurse:
+            for group in self._groups(recurse=True):
+                owners = {m for p in group.fsdp_params for m, _ in p.module_infos}
+                if owners.union(group.modules) <= inside:
+                    placed |= group.materialize_empty(torch.device(device))
+        # nn.Module._apply would rebuild each placed parameter: hide them from it.
+        hidden = [
+            (m, name, p) for m in inside for name, p in m._parameters.items() if p in placed
+        ]
+        for m, name, _ in hidden:
+            m._parameters[name] = None
+        try:
+            return super().to_empty(device=device, recurse=recurse)
+        finally:
+            for m, name, p in hidden:
+                m._parameters[name] = p
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -49,6 +49,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._torch_compat import (
     dtensor_like,
+    dtensor_parameter,
     local_tensor,
     post_accumulate_grad_hooks,
     set_local_tensor,
@@ -252,6 +253,19 @@ class FSDPParam:
         if not view.is_meta and self.local_rows > 0:
             view.copy_(local)
         set_local_tensor(self.sharded_param, view)
+        self.dtype = view.dtype
+
+    def place_sharded(self, slot: torch.Tensor) -> None:
+        """Make the sharded parameter a view of ``slot`` without copying (``to_empty``).
+
+        Its values become the slot's; a new DTensor is swapped into the same
+        parameter object (``torch.utils.swap_tensors``, as ``nn.Module._apply``
+        does), so the parameter moves to the slot's device and every holder of
+        it (modules, optimizers) sees the change.
+        """
+        param = self.sharded_param
+        view = self.slot_view(slot)
+        torch.utils.swap_tensors(param, dtensor_parameter(param, view, param.requires_grad))
         self.dtype = view.dtype
 
     def is_view_of_slot(self, view: torch.Tensor) -> bool:

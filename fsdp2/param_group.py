@@ -52,7 +52,7 @@ import torch.nn as nn
 from . import collectives, staged_collectives
 from ._torch_compat import local_tensor
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .flat_shard import FlatShardLayout
+from .flat_shard import FlatShard, FlatShardLayout
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
@@ -129,26 +129,20 @@ class FSDPParamGroup(GradientReduction):
                 f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
                 "pass True or False"
             )
-        self._layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources])
         # See [Note: CPU offload]
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self._pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         self._grad_offload_event: torch.Event | None = None
-        on_meta = any(src.is_meta for src in sources)
-        if on_meta:
-            buffer_device = torch.device("meta")
-        else:
-            buffer_device = torch.device("cpu") if self.offload else device
-        self._sharded_flat = self._new_flat(buffer_device)
-        for i, (p, src) in enumerate(zip(fsdp_params, sources)):
-            p.bind_sharded(self._slot(i), src if on_meta else src.to(buffer_device))
+        buffer_device = torch.device("cpu") if self.offload else device
+        self._flat = FlatShard(fsdp_params, sources, buffer_device, self._pin_memory)
         self._init_dtypes()
 
     # ---- buffers ------------------------------------------------------------
 
-    def _new_flat(self, device: torch.device) -> torch.Tensor:
-        return self._layout.new_buffer(device, self._pin_memory and device.type == "cpu")
+    @property
+    def _layout(self) -> FlatShardLayout:
+        return self._flat.layout
 
     def _init_dtypes(self) -> None:
         """Resolve the mixed precision dtypes and where the all-gather input comes from.
@@ -176,40 +170,45 @@ class FSDPParamGroup(GradientReduction):
         )
 
     def _slot(self, index: int) -> torch.Tensor:
-        return self._layout.slot(self._sharded_flat, index)
-
-    def reset_sharded_params(self) -> None:
-        """Re-establish the sharded parameters as views of the flat buffer.
-
-        ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``) and
-        ``load_state_dict(assign=True)`` give parameters new local tensors;
-        their values are copied back into a (possibly new) flat buffer, laid
-        out for the dtypes they have now.
-        """
-        for p in self.fsdp_params:
-            p.adopt_registered()
-        locals_ = [local_tensor(p.sharded_param) for p in self.fsdp_params]
-        dtypes = [t.dtype for t in locals_]
-        if self._sharded_flat.device != locals_[0].device or dtypes != self._layout.dtypes:
-            self._layout = FlatShardLayout(self.fsdp_params, dtypes)
-            self._sharded_flat = self._new_flat(locals_[0].device)
-        for i, p in enumerate(self.fsdp_params):
-            p.rebind_sharded(self._slot(i))
-        self._init_dtypes()
+        return self._flat.slot(index)
 
     @property
     def sharded_flat(self) -> torch.Tensor:
-        return self._sharded_flat
+        return self._flat.buffer
+
+    # ---- materialization (see [Note: Materialization in any order]) ----------
+
+    def mark_params_replaced(self) -> None:
+        """The registered parameters may have been replaced: adopt them when next needed."""
+        self._flat.needs_adoption = True
+
+    def adopt_params(self, force: bool = False) -> None:
+        """Adopt replaced parameters (if marked, or ``force``); a group partly on meta stays pending."""
+        if (force or self._flat.needs_adoption) and self._flat.adopt():
+            self._init_dtypes()
+
+    def materialize_empty(self, device: torch.device) -> set[nn.Parameter]:
+        """``to_empty(device)`` for the whole group at once; returns the parameters it placed."""
+        self.reshard()
+        placed = self._flat.materialize_empty(device)
+        if placed:
+            self._init_dtypes()
+        return placed
 
     def check_materialized(self) -> None:
-        """Fail clearly if any parameter is still on ``meta``."""
-        for p in self.fsdp_params:
-            if p.sharded_param.is_meta:
-                raise RuntimeError(
-                    f"Parameter '{p.fqn}' is still on the meta device. Materialize the "
-                    "model before the first forward: model.to_empty(device=...) and then "
-                    "initialize it (e.g. reset_parameters() or load_state_dict())."
-                )
+        """Fail clearly, naming them, if any parameter is still on ``meta``."""
+        names = self._flat.names_on_meta()
+        if names:
+            where = f" of '{self.module_fqn}'" if self.module_fqn else ""
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names}\n"
+                f"These parameters{where} were never materialized: call "
+                "model.to_empty(device=...) and then initialize them (e.g. "
+                "reset_parameters() on each module), or load them with "
+                "load_state_dict(..., assign=True) / set_full_state_dict before the "
+                "first forward."
+            )
 
     def check_offloaded(self) -> None:
         """With CPU offload, fail clearly if any sharded parameter is not on the CPU."""
@@ -239,6 +238,9 @@ class FSDPParamGroup(GradientReduction):
         """All-gather the group's parameters; no-op if unsharded or in flight."""
         if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
             return
+        if self._flat.needs_adoption:
+            self.adopt_params()
+            self.check_materialized()
         world_size = self.mesh_info.shard_mesh_size
         layout = self._layout
         if (
@@ -267,7 +269,7 @@ class FSDPParamGroup(GradientReduction):
             ag_input = self._post_forward_flat
             group = self.post_forward_mesh_info.process_group
         else:
-            ag_input, group = self._sharded_flat, self.mesh_info.shard_process_group
+            ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group
             if self._copy_in:  # See [Note: Copies around the collectives]
                 ag_input = collectives.copy_in(
                     output, ag_input, self.mesh_info.shard_mesh_rank, self._pin_memory

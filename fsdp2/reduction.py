@@ -129,7 +129,7 @@ class GradientReduction:
         One cast (mixed precision) and, with CPU offload, one device-to-host copy
         for the whole group; no-ops when nothing differs. See [Note: CPU offload].
         """
-        device = self._sharded_flat.device if self.offload else reduced.device
+        device = self.sharded_flat.device if self.offload else reduced.device
         if reduced.dtype == self.orig_dtype and reduced.device == device:
             return reduced
         non_blocking = (

@@ -161,7 +161,8 @@ class FSDPState:
             module, name = p.module_infos[0]
             prefix = module_fqns.get(module, "")
             p.fqn = f"{prefix}.{name}" if prefix else name
-        group.reset_sharded_params()
+        # Parameters may have been replaced in any way since fully_shard.
+        group.adopt_params(force=True)
         group.check_materialized()
         group.check_offloaded()
 
@@ -337,18 +338,22 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
     Saving or loading between forward and backward would otherwise see the
     unsharded parameters of a group kept unsharded after forward; and
     ``load_state_dict(assign=True)`` registers new parameter objects, which
-    must become the group's sharded parameters (views of its flat buffer)
-    before the next all-gather reads that buffer.
+    the group adopts when next needed (see [Note: Materialization in any
+    order] in flat_shard.py).
     """
 
-    def to_sharded(*args: Any, **kwargs: Any) -> None:
+    def before_save(*args: Any, **kwargs: Any) -> None:
+        group.reshard()
+        group.adopt_params()
+
+    def before_load(*args: Any, **kwargs: Any) -> None:
         group.reshard()
 
-    def adopt_loaded(*args: Any, **kwargs: Any) -> None:
-        group.reset_sharded_params()
+    def after_load(*args: Any, **kwargs: Any) -> None:
+        group.mark_params_replaced()
 
     holders = {module: None for p in group.fsdp_params for module, _ in p.module_infos}
     for module in holders:
-        module.register_state_dict_pre_hook(to_sharded)
-        module.register_load_state_dict_pre_hook(to_sharded)
-        module.register_load_state_dict_post_hook(adopt_loaded)
+        module.register_state_dict_pre_hook(before_save)
+        module.register_load_state_dict_pre_hook(before_load)
+        module.register_load_state_dict_post_hook(after_load)
