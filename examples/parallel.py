@@ -4,7 +4,12 @@ Launch (from the repository root; 4 ranks, CPU gloo or one GPU per rank):
 
     torchrun --nproc-per-node 4 examples/parallel.py --mode hsdp   # 2 replicas x 2 shards
     torchrun --nproc-per-node 4 examples/parallel.py --mode tp     # 2 data-parallel x 2 TP
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        --rdzv-id hsdp examples/parallel.py --mode hsdp --shard-size 8   # on every node
 
+``--shard-size`` is the size of the HSDP ``shard`` dim (default 2); with one
+node's device count, parameters are sharded within each node and only the
+gradient all-reduce crosses nodes (README, "Multi-node runs").
 ``FSDP2_IMPL=torch`` runs the same script on upstream ``torch.distributed.fsdp``.
 Every data-parallel rank draws its own batch; TP ranks of one data-parallel
 index share theirs. The printed loss is the mean over data-parallel ranks.
@@ -51,6 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["hsdp", "tp"], default="hsdp")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--shard-size", type=int, default=2,
+        help="hsdp: ranks per shard group, e.g. the devices of one node (default 2)",
+    )
     args = parser.parse_args()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -63,8 +72,14 @@ def main() -> None:
     if args.mode == "hsdp":
         # Parameters: (Replicate(), Shard(0)) DTensors. Gradients are
         # reduce-scattered over "shard" and all-reduced over "replicate".
+        if world_size % args.shard_size != 0:
+            raise SystemExit(f"--shard-size {args.shard_size} must divide the world size {world_size}")
+        # Consecutive ranks form a shard group: with one node's devices each,
+        # all-gathers and reduce-scatters stay inside a node.
         mesh = init_device_mesh(
-            device_type, (world_size // 2, 2), mesh_dim_names=("replicate", "shard")
+            device_type,
+            (world_size // args.shard_size, args.shard_size),
+            mesh_dim_names=("replicate", "shard"),
         )
         dp_mesh = mesh
         dp_rank = dist.get_rank()
