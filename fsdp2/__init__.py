@@ -9,6 +9,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .fully_shard import fully_shard
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .optim import clip_grad_norm_, enable_local_shard_step
+from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
 __all__ = [
@@ -22,10 +23,12 @@ __all__ = [
     "register_fsdp_forward_method",
     # fsdp2's own tools
     "IncompatibleKeys",
+    "TorchPatch",
     "clip_grad_norm_",
     "enable_local_shard_step",
     "get_full_state_dict",
     "load_checkpoint",
+    "patch_torch",
     "save_checkpoint",
     "set_full_state_dict",
 ]

@@ -65,18 +65,18 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 def _from_upstream(policy: object) -> object:
     """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
-    from torch.distributed import fsdp as upstream
+    from .patch import unpatched  # torch's classes even under patch_torch()
 
-    if isinstance(policy, upstream.MixedPrecisionPolicy):
+    if isinstance(policy, unpatched("MixedPrecisionPolicy")):
         return MixedPrecisionPolicy(
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,
             output_dtype=policy.output_dtype,
             cast_forward_inputs=policy.cast_forward_inputs,
         )
-    if isinstance(policy, upstream.CPUOffloadPolicy):
+    if isinstance(policy, unpatched("CPUOffloadPolicy")):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    if isinstance(policy, upstream.OffloadPolicy):
+    if isinstance(policy, unpatched("OffloadPolicy")):
         return OffloadPolicy()
     return policy
 
