@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 from _ranks import launch  # noqa: E402
 from bench_bytes import bytes_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
+from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, model_source  # noqa: E402
 from report import markdown, write_json, write_png  # noqa: E402
@@ -41,6 +42,8 @@ FULL = {
     "optim_reps": 15,
     "hook_layers": 128,
     "hook_reps": 100,
+    "materialize_shape": LLAMA_70B,
+    "materialize_reps": 3,
     "timeout": 420,
 }
 QUICK = {
@@ -52,10 +55,13 @@ QUICK = {
     "optim_reps": 3,
     "hook_layers": 64,
     "hook_reps": 15,
+    "materialize_shape": {**LLAMA_70B, "n_layers": 8},
+    "materialize_reps": 1,
     "timeout": 120,
 }
 WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
+MATERIALIZE_WORLD_SIZE = 1024
 
 
 def main() -> None:
@@ -106,6 +112,17 @@ def main() -> None:
             )[0],
         ),
         ("bytes", lambda: launch(bytes_body, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+        (
+            "materialize",
+            lambda: launch(
+                materialize_body,
+                MATERIALIZE_WORLD_SIZE,
+                cfg["materialize_shape"],
+                cfg["materialize_reps"],
+                backend="fake",
+                timeout=cfg["timeout"],
+            )[0],
+        ),
     ]
     for name, stage in stages:
         t0 = time.monotonic()

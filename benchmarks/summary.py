@@ -104,6 +104,22 @@ def _hook_rows(raw: dict) -> list[dict]:
     return rows
 
 
+def _materialize_rows(raw: dict) -> list[dict]:
+    m = raw.get("materialize")
+    if not m or "times" not in m:
+        return []
+    where = f"{m['shape']['n_layers']}-layer 70B-shaped Llama on meta, W={m['world_size']} fake PG"
+    rows = []
+    for key, label in (
+        ("fully_shard", "fully_shard"),
+        ("to_empty", "to_empty"),
+        ("to_empty_init", "to_empty + reset_parameters"),
+    ):
+        t = {impl: 1e3 * median(m["times"][impl][key]) for impl in ("fsdp2", "torch")}
+        rows.append(ratio_row(f"{label}, {where} (ms)", t["fsdp2"], t["torch"]))
+    return rows
+
+
 def _analytic(groups: dict, world_size: int, raf: bool, activations: float) -> tuple[float, float]:
     blocks, root, total = groups["blocks"], groups["root"], groups["total"]
     gathered = (2 * sum(blocks) if raf else sum(blocks)) + root
@@ -186,13 +202,16 @@ NOTES = """\
 - peak live: every tensor storage alive at once on a rank during one step; analytic =
   4P/W + root + 2 largest blocks + activations (without resharding:
   3P/W + P + 2 largest-block grads + activations).
+- materialization rows: a model built on meta, sharded (81 fully_shard calls) and then
+  to_empty(device="cpu") and reset_parameters() of every Linear/Embedding/RMSNorm, at
+  W=1024 under torch's fake process group (bench_materialize.py); medians over repetitions.
 - optimizer rows: the fsdp2 column uses fsdp2.enable_local_shard_step (bitwise the same
   AdamW update) and fsdp2.clip_grad_norm_; torch and DDP the stock torch functions."""
 
 
 def build_rows(raw: dict) -> list[dict]:
     rows = []
-    for make in (_step_rows, _hook_rows, _bytes_rows, _optim_rows):
+    for make in (_step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows):
         try:
             rows += make(raw)
         except (KeyError, TypeError, ValueError) as exc:  # a failed stage: skip its rows

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _impl import IMPL, fully_shard
+from _impl import IMPL, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from checks import check_case, launch_cases
 from models import cpu_mesh, global_mean, rank_slice
@@ -286,3 +286,19 @@ def test_partly_materialized_group_names_params_on_meta(use):
         assert "still on meta device" in message, message
         if IMPL == "fsdp2" or use == "forward":
             assert f"still on meta device: ['{name}']" in message, message
+
+
+def _to_empty_views_body(rank, world_size):
+    with torch.device("meta"):
+        model = Net("list")
+    _shard(model, fully_shard, cpu_mesh())
+    model.to_empty(device="cpu")
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.to_local().device.type == "cpu", name
+    _assert_views_of_flat_buffers(model)  # already, before any forward
+
+
+@fsdp2_only
+def test_to_empty_allocates_each_group_once():
+    """FSDPModule.to_empty makes every sharded parameter a view of its group's one buffer."""
+    run_ranks(_to_empty_views_body, 3)

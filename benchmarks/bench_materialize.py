@@ -1,0 +1,78 @@
+"""Sharding and materializing a model built on ``meta``, at W = 1024 (torch's fake process group).
+
+The model is ``examples/model.py``'s Llama shaped like Llama-3 70B (dim 8192,
+80 layers, 64 heads, FFN 28672, vocab 128256: 70.6B parameters), built on
+``meta``; one ``fully_shard`` per block, then the root, on a 1-D mesh of 1024
+ranks. Three timings per implementation, interleaved over repetitions:
+
+* ``fully_shard``: the 81 calls;
+* ``to_empty(device="cpu")``: this rank's shards become real (uninitialized) memory;
+* ``to_empty`` + ``reset_parameters()``: then every ``nn.Linear``, ``nn.Embedding``
+  and ``nn.RMSNorm`` draws its values, as a training script initializing
+  weights after ``to_empty`` does (torchtitan's ``init_weights``).
+
+The fake process group's collectives do nothing, so this is Python, dispatch
+and memory work only; the shards are real: ~276 MB per rank, fp32.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.nn as nn
+from common import FSDP_IMPLS, cpu_mesh, fully_shard_of, rotated
+from model import _examples_module
+
+LLAMA_70B = {
+    "dim": 8192,
+    "n_layers": 80,
+    "n_heads": 64,
+    "vocab_size": 128256,
+    "ffn_hidden_dim": 28672,
+    "max_seq_len": 16,
+}
+
+
+def _reset_parameters(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.RMSNorm)):
+            module.reset_parameters()
+
+
+def _one_run(impl: str, args, transformer, mesh) -> dict[str, float]:
+    fully_shard = fully_shard_of(impl)
+    with torch.device("meta"):
+        model = transformer(args)
+    t0 = time.perf_counter()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    t1 = time.perf_counter()
+    model.to_empty(device="cpu")
+    t2 = time.perf_counter()
+    _reset_parameters(model)
+    t3 = time.perf_counter()
+    numel = sum(p.to_local().numel() for p in model.parameters())
+    del model
+    gc.collect()
+    return {"fully_shard": t1 - t0, "to_empty": t2 - t1, "init": t3 - t2, "local_numel": numel}
+
+
+def materialize_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
+    module = _examples_module()
+    args, transformer = module.ModelArgs(**shape), module.Transformer
+    mesh = cpu_mesh()
+    times: dict[str, dict[str, list[float]]] = {
+        impl: {"fully_shard": [], "to_empty": [], "to_empty_init": []} for impl in FSDP_IMPLS
+    }
+    numel = {}
+    for i in range(reps):
+        for impl in rotated(list(FSDP_IMPLS), i):
+            run = _one_run(impl, args, transformer, mesh)
+            times[impl]["fully_shard"].append(run["fully_shard"])
+            times[impl]["to_empty"].append(run["to_empty"])
+            times[impl]["to_empty_init"].append(run["to_empty"] + run["init"])
+            numel[impl] = run["local_numel"]
+    return {"times": times, "local_numel": numel, "world_size": world_size, "shape": shape}
