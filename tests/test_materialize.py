@@ -123,7 +123,16 @@ def _to_empty_per_module(model, full_sd):
 
 
 def _assign_root(model, full_sd):
-    model.load_state_dict(_distributed(full_sd, model.state_dict()), assign=True)
+    """torchtune's load_from_full_model_state_dict: each full tensor cast to the meta
+    parameter's dtype, distributed like it, then one strict load with assign=True."""
+    meta_sd = model.state_dict()
+    sharded = {}
+    for name, full_tensor in full_sd.items():
+        meta = meta_sd[name]
+        sharded[name] = nn.Parameter(  # requires_grad then follows the model's parameter
+            distribute_tensor(full_tensor.to(meta.dtype), meta.device_mesh, meta.placements)
+        )
+    model.load_state_dict(sharded, strict=True, assign=True)
 
 
 def _assign_per_module(model, full_sd):
