@@ -10,7 +10,8 @@ launch: with the implementation under test and with upstream's
 placements, ``requires_grad``) must be identical, and so must three training
 steps; where the values are the reference's (loads), the losses must also
 match the unsharded model. Models: list groups with a frozen bias and a
-frozen bf16 parameter (mixed dtypes), and tied embedding/output weights.
+frozen bf16 parameter (mixed dtypes), and tied embedding/output weights; on
+W = 1, 2, 3, with CPU offload, and on a 2x2 HSDP mesh.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _impl import IMPL, fsdp2_only, fully_shard
+from _impl import IMPL, CPUOffloadPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from checks import check_case, launch_cases
 from models import cpu_mesh, global_mean, rank_slice
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as UpstreamCPUOffload
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -83,12 +86,16 @@ def _reference(variant: str) -> Net:
     return model
 
 
-def _shard(model: Net, shard_fn, mesh) -> Net:
+def _shard(model: Net, shard_fn, mesh, offload: bool = False) -> Net:
+    kwargs = {"mesh": mesh}
+    if offload:  # each implementation's own policy; no pinning on a CPU-only host
+        policy = UpstreamCPUOffload if shard_fn is upstream_fully_shard else CPUOffloadPolicy
+        kwargs["offload_policy"] = policy(pin_memory=False)
     for block in model.blocks:
-        shard_fn(block, mesh=mesh)
+        shard_fn(block, **kwargs)
     if model.variant == "list":  # torchtitan groups the final norm with the output head
-        shard_fn([model.norm, model.out], mesh=mesh)
-    shard_fn(model, mesh=mesh)
+        shard_fn([model.norm, model.out], **kwargs)
+    shard_fn(model, **kwargs)
     return model
 
 
@@ -214,11 +221,17 @@ def _train(model: nn.Module, dtype: torch.dtype, world_size: int, rank: int | No
     return losses
 
 
-def _flow(variant, pattern, shard_fn, rank, world_size):
+def _mesh(setup: str):
+    if setup == "hsdp":
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return cpu_mesh()
+
+
+def _flow(variant, setup, pattern, shard_fn, rank, world_size):
     full_sd = {k: v.detach().clone() for k, v in _reference(variant).state_dict().items()}
     with torch.device("meta"):
         model = Net(variant)
-    _shard(model, shard_fn, cpu_mesh())
+    _shard(model, shard_fn, _mesh(setup), offload=setup == "offload")
     PATTERNS[pattern](model, full_sd)
     state = _state(model)
     dtype = torch.float64 if pattern.endswith("f64") else torch.float32
@@ -226,13 +239,15 @@ def _flow(variant, pattern, shard_fn, rank, world_size):
     return model, state, losses, _state(model)
 
 
-def _case(variant, pattern):
+def _case(variant, setup, pattern):
     def body(rank, world_size):
-        model, state, losses, final = _flow(variant, pattern, fully_shard, rank, world_size)
+        model, state, losses, final = _flow(
+            variant, setup, pattern, fully_shard, rank, world_size
+        )
         if IMPL == "fsdp2":
             _assert_views_of_flat_buffers(model)
         _, up_state, up_losses, up_final = _flow(
-            variant, pattern, upstream_fully_shard, rank, world_size
+            variant, setup, pattern, upstream_fully_shard, rank, world_size
         )
         for got, want, when in ((state, up_state, "materialized"), (final, up_final, "trained")):
             assert list(got) == list(want), (when, list(got), list(want))
@@ -255,10 +270,11 @@ def _case(variant, pattern):
 
 
 CASES = {
-    f"{variant}-{pattern}": _case(variant, pattern)
-    for variant in ("list", "tied")
+    f"{variant}-{setup}-{pattern}": _case(variant, setup, pattern)
+    for variant, setup in (("list", "fsdp"), ("tied", "fsdp"), ("list", "offload"))
     for pattern in PATTERNS
 }
+HSDP_CASES = {f"list-hsdp-{pattern}": _case("list", "hsdp", pattern) for pattern in PATTERNS}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -266,6 +282,12 @@ CASES = {
 def test_materialize_pattern_matches_upstream(case, world_size):
     """A meta model materialized by one pattern equals upstream's, before and after training."""
     check_case(launch_cases(("materialize", world_size), world_size, CASES), case)
+
+
+@pytest.mark.parametrize("case", list(HSDP_CASES))
+def test_materialize_pattern_matches_upstream_hsdp(case):
+    """The same on a 2x2 HSDP mesh (placements Replicate, Shard(0))."""
+    check_case(launch_cases(("materialize-hsdp", 4), 4, HSDP_CASES), case)
 
 
 def _partial_body(rank, world_size, use):
