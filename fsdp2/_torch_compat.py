@@ -7,10 +7,12 @@ file that changes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -62,6 +64,30 @@ def dtensor_parameter(template: DTensor, local: torch.Tensor, requires_grad: boo
     param = DTensor(local, template._spec, requires_grad=requires_grad)
     param._is_param = True
     return param
+
+
+def mark_composable_api(module: nn.Module, api: str = "fully_shard") -> None:
+    """Record in torch's composable-API registry of ``module`` that ``api`` was applied.
+
+    torch's own composable APIs read it: ``replicate()`` leaves the parameters
+    of modules marked ``fully_shard`` to FSDP (and refuses to wrap such a
+    module itself). Wraps ``torch.distributed._composable.contract.REGISTRY_KEY``
+    and ``RegistryItem`` (torch 2.2 - 2.13).
+    """
+    from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault(api, RegistryItem())
+
+
+def composable_apis(module: nn.Module) -> tuple[str, ...]:
+    """Names of torch composable APIs applied to ``module`` (e.g. ``"replicate"``).
+
+    Reads ``torch.distributed._composable.contract._get_registry`` (torch 2.2 - 2.13).
+    """
+    from torch.distributed._composable.contract import _get_registry
+
+    return tuple(_get_registry(module) or ())
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ._torch_compat import composable_apis, mark_composable_api
 from .api import MixedPrecisionPolicy, OffloadPolicy, resolve_policies
 from .mesh import (
     FSDPMeshInfo,
@@ -165,6 +166,7 @@ def fully_shard(
             fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
             _fsdp_classes[cls] = fsdp_cls
         m.__class__ = fsdp_cls
+        mark_composable_api(m)  # e.g. torch's replicate() then leaves these parameters to us
     return module
 
 
@@ -233,6 +235,8 @@ def _managed_params(
         if m in seen:
             continue
         seen.add(m)
+        if "replicate" in composable_apis(m):
+            continue  # torch's replicate() owns this subtree's parameters, as upstream
         inner = state_of(m)
         if inner is not None and m not in roots:
             if inner.param_group is not None:

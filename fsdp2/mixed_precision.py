@@ -24,15 +24,13 @@ gradients are those of its trainable parameters, which share one dtype.
 
 from __future__ import annotations
 
-import dataclasses
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
 
 from .api import MixedPrecisionPolicy
+from .nested import map_tensors
 
 
 def resolve_dtypes(
@@ -99,42 +97,18 @@ def input_cast_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor inside it cast to ``dtype``.
 
-    Walks tensors, dataclasses, dicts (``OrderedDict`` keeps its type),
-    namedtuples, lists, tuples and sets, rebuilding each container; anything
-    else (including a ``PackedSequence``) is returned as is. Tensors already
-    in ``dtype`` and non-floating tensors are returned unchanged (no copy).
+    Any nesting ``map_tensors`` walks (see nested.py). Tensors already in
+    ``dtype`` and non-floating tensors are returned unchanged (no copy).
     """
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in value):
-        # Fast path for the common flat argument tuple; keeps namedtuples' type.
-        cast = [cast_floating(x, dtype) for x in value]
-        if hasattr(value, "_fields"):
-            return type(value)(*cast)
-        return type(value)(cast)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: cast_floating(getattr(value, f.name), dtype)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
-    if isinstance(value, OrderedDict):
-        result = value.__class__()
-        for key, item in value.items():
-            result[key] = cast_floating(item, dtype)
-        return result
-    if isinstance(value, PackedSequence):
-        return value
-    if isinstance(value, dict):
-        return {key: cast_floating(item, dtype) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(x, dtype) for x in value))
-    if isinstance(value, (list, tuple, set)):
-        return type(value)(cast_floating(x, dtype) for x in value)
-    return value
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    if isinstance(value, tuple) and type(value) is tuple:
+        # Fast path for the common flat argument tuple.
+        if all(isinstance(x, torch.Tensor) for x in value):
+            return tuple(cast(x) for x in value)
+    return map_tensors(cast, value)
 
 
 def cast_args(

@@ -31,11 +31,11 @@ from ._torch_compat import (
     in_backward,
     queue_backward_callback,
     tree_flatten,
-    tree_map_tensors,
     tree_unflatten,
 )
 from .api import MixedPrecisionPolicy
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
+from .nested import map_tensors, tensors_in
 from .param_group import FSDPParamGroup, IterContext
 
 logger = logging.getLogger("fsdp2.state")
@@ -208,7 +208,7 @@ class FSDPState:
             self._lazy_init()
         if self._input_device is not None:
             device = self._input_device
-            args, kwargs = cast = tree_map_tensors(lambda t: t.to(device), (args, kwargs))
+            args, kwargs = cast = map_tensors(lambda t: t.to(device), (args, kwargs))
         if self.post_optim_event is not None:
             self._wait_post_optim_event()
         first_in_group = not self._modules_to_run
@@ -250,9 +250,9 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.post_forward()
         if torch.is_grad_enabled():
-            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-            for t in leaves:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            # dataclasses too (see nested.py), which pytree does not look into
+            for t in tensors_in(output):
+                if t.requires_grad:
                     t.register_hook(self._pre_backward)
         return output
 
