@@ -149,12 +149,6 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tens
     return list(hooks.values()) if hooks else []
 
 
-def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Apply ``fn`` to every tensor leaf of a nested container."""
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a nested container, in flatten order."""
     leaves, _ = tree_flatten(tree)

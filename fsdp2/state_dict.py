@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import tree_map_tensors
+from .nested import map_tensors
 from .rank0 import (
     MeshCopies,
     check_placements,
@@ -182,7 +182,7 @@ def _gather_optim(
     for i, entry in osd["state"].items():
         fqn = names[params[i]]
         state[fqn] = {
-            key: tree_map_tensors(lambda t, n=f"{fqn}.{key}": full_of(t, n), value)
+            key: map_tensors(lambda t, n=f"{fqn}.{key}": full_of(t, n), value)
             for key, value in entry.items()
         }
     groups = []
