@@ -38,6 +38,7 @@ expects.
 
 from __future__ import annotations
 
+import itertools
 import math
 from enum import Enum, auto
 
@@ -59,6 +60,23 @@ from .extensions import ExtensionState, check_extension, has_extension
 from .mesh import FSDPMeshInfo
 
 _MODULE_SETATTR = nn.Module.__setattr__
+
+ORIG_UID_ATTR = "_fsdp2_orig_uid"
+_uids = itertools.count()
+
+
+def original_uid(param: nn.Parameter) -> int:
+    """A number naming ``param`` for good, set on it the first time FSDP manages it.
+
+    Sharding replaces the parameter on its modules, so the object itself
+    cannot tell later calls that they shard the same parameter again (see
+    [Note: A parameter belongs to one group] in shared_params.py).
+    """
+    uid = param.__dict__.get(ORIG_UID_ATTR)
+    if uid is None:
+        uid = next(_uids)
+        setattr(param, ORIG_UID_ATTR, uid)
+    return uid
 
 
 def _parameter_on(
@@ -96,6 +114,7 @@ class FSDPParam:
         spmd_mesh: DeviceMesh | None = None,
     ) -> None:
         self.module_infos = module_infos
+        self.orig_uid = original_uid(param)
         self.mesh_info = mesh_info
         self.fqn = fqn
         # Tensor parallel: shard the TP-local tensor, keep the TP spec for the
