@@ -345,6 +345,12 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> Non
                 f"Parameter '{name}' is a DTensor on a '{param.device_mesh.device_type}' mesh "
                 f"but fully_shard's mesh is on '{device.type}'; use meshes of one device type"
             )
+        if not param.is_meta and param.device != device:
+            raise FSDPAssertionError(
+                f"Expects DTensor to be moved to {param.device_mesh.device_type} but got "
+                f"{param.device}\nParameter '{name}' is a DTensor on {param.device} but "
+                f"fully_shard shards on {device}; build its mesh on the current device"
+            )
         if len(param.placements) > 2:
             raise FSDPNotImplementedError(
                 f"FSDP only supports 1D TP/EP or 2D EP+TP, not {param.placements}\n"
@@ -352,7 +358,14 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> Non
                 "distribute it over at most 2 model-parallel mesh dims"
             )
     local = param.to_local() if isinstance(param, DTensor) else param
-    if not param.is_contiguous() or not local.is_contiguous():
+    if param.is_contiguous() and not local.is_contiguous():  # a DTensor given other strides
+        raise FSDPAssertionError(
+            "Expected contiguous tensor, got "
+            f"param_data.shape={local.shape!r} param_data.stride()={local.stride()!r}\n"
+            f"Parameter '{name}' is a DTensor whose local tensor is not contiguous; make the "
+            "local tensor contiguous before DTensor.from_local"
+        )
+    if not param.is_contiguous():
         raise FSDPNotImplementedError(
             "FSDP does not support non-contiguous parameters yet: "
             f"param.shape={param.shape!r} param.stride()={param.stride()!r}\n"

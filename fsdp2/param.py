@@ -56,6 +56,7 @@ from ._torch_compat import (
     set_local_tensor,
     strided_shard,
 )
+from .errors import FSDPAssertionError
 from .extensions import ExtensionState, check_extension, has_extension
 from .mesh import FSDPMeshInfo
 
@@ -314,6 +315,14 @@ class FSDPParam:
                 "(DTensor values) or copy values in place instead"
             )
         if tuple(new_param.placements) != self._placements:
+            local = local_tensor(new_param)
+            if self.shard_dim > 0 and local.size() != self.local_size:  # upstream's symptom
+                raise FSDPAssertionError(
+                    f"Shard({self.shard_dim}) requires even sharding: "
+                    f"local_tensor.size()={local.size()!r}\n"
+                    f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
+                    f"{new_param.placements}; expected {self._placements}"
+                )
             raise ValueError(
                 f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
                 f"{new_param.placements}; expected {self._placements}"
@@ -500,6 +509,13 @@ class FSDPParam:
         existing = self.sharded_param.grad
         if existing is None:
             self.sharded_param.grad = dtensor_like(self.sharded_param, local_grad)
+        elif not isinstance(existing, DTensor):
+            raise FSDPAssertionError(
+                "Expected fsdp_param.sharded_param.grad to be DTensor, got "
+                f"{type(existing)}\nParameter '{self.fqn}' has a plain tensor as .grad; FSDP "
+                "accumulates into sharded (DTensor) gradients: set .grad to None (e.g. "
+                "optimizer.zero_grad()) or to a DTensor like the parameter"
+            )
         else:
             local_tensor(existing).add_(local_grad)
         # Autograd never accumulates into the sharded parameter itself, so its
