@@ -1,7 +1,8 @@
 """FSDPState: the hooks of one fully_shard call, root lazy init, end of backward.
 
 [Note: One training step]
-root pre-forward   lazy init once (root, FQNs, meta check, root keeps its
+root pre-forward   lazy init once (root, FQNs, no parameter in two groups,
+                   meta and dtype checks, root keeps its
                    parameters unsharded after forward unless told otherwise);
                    wait for the user's post-optimizer event, if one was set
 pre-forward        cast floating inputs (mixed precision); unshard the group;
