@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def check_shared_params(
     root: nn.Module, states: list[FSDPState], module_fqns: dict[nn.Module, str]
 ) -> None:
-    """Raise ``ValueError`` if a parameter under ``root`` is in two groups or held outside its group.
+    """``ValueError`` if a parameter under ``root`` is in two groups or held outside its group.
 
     See [Note: A parameter belongs to one group].
     """

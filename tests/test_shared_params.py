@@ -207,25 +207,25 @@ WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4])
 
 @WORLD_SIZES
 def test_separate_calls(world_size):
-    """fully_shard(tok); fully_shard(out); fully_shard(model) with tied weights: ValueError at the first forward."""
+    """Tied tok/out given to separate fully_shard calls: ValueError at the first forward."""
     _run("separate_calls", world_size)
 
 
 @WORLD_SIZES
 def test_output_then_root(world_size):
-    """The output head sharded before the root that holds the tied embedding: ValueError naming 'output.weight'."""
+    """The head sharded before the root holding the tied embedding: ValueError on the head."""
     _run("output_then_root", world_size)
 
 
 @WORLD_SIZES
 def test_embedding_then_root(world_size):
-    """The embedding sharded before the root that holds the tied head: ValueError naming 'tok_embeddings.weight'."""
+    """The embedding sharded before the root holding the tied head: ValueError on the embedding."""
     _run("embedding_then_root", world_size)
 
 
 @WORLD_SIZES
 def test_nested_calls(world_size):
-    """A weight tied inside a block, one holder sharded on its own first (nested calls): ValueError."""
+    """A weight tied inside a block, one holder sharded alone first (nested calls): ValueError."""
     _run("nested_calls", world_size)
 
 
@@ -243,7 +243,7 @@ def test_shard_model_matching_linears(world_size):
 
 @WORLD_SIZES
 def test_shared_check_before_meta_check(world_size):
-    """On a meta model the shared-parameter ValueError comes first, as upstream (before the meta RuntimeError)."""
+    """On a meta model the shared-parameter ValueError comes before the meta RuntimeError."""
     _run("raises_before_meta_check", world_size)
 
 
@@ -255,25 +255,25 @@ def test_list_group_keeps_tie(world_size):
 
 @WORLD_SIZES
 def test_shard_model_blocks_keeps_tie(world_size):
-    """torchtune's shard_model over blocks only: the root holds the tie, parity with the reference."""
+    """torchtune's shard_model over blocks only: the root holds the tie; parity."""
     _run("shard_model_blocks", world_size)
 
 
 @WORLD_SIZES
 def test_ignored_in_every_call_keeps_tie(world_size):
-    """A tied weight in ignored_params of every call stays one plain parameter, parity on full batches."""
+    """A tied weight ignored by every call stays one plain parameter; parity on full batches."""
     _run("ignored_everywhere", world_size)
 
 
 @fsdp2_only
 @WORLD_SIZES
 def test_ignored_in_one_call_only(world_size):
-    """Sharded by one call, ignored by another: fsdp2 raises upstream's ValueError (upstream unties it silently)."""
+    """Sharded by one call, ignored by another: ValueError (upstream unties it silently)."""
     _run("ignored_in_one_call", world_size)
 
 
 @fsdp2_only
 @WORLD_SIZES
 def test_tied_after_fully_shard(world_size):
-    """A head tied to the embedding's sharded parameter after fully_shard: ValueError (upstream: a TypeError in forward)."""
+    """A head tied to a sharded parameter after fully_shard: ValueError (upstream: TypeError)."""
     _run("tied_after_fully_shard", world_size)

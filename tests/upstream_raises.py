@@ -1,4 +1,4 @@
-"""Every ``raise`` in upstream's ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13), accounted for.
+"""Every ``raise`` in upstream's ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13).
 
 Each entry names the file, the enclosing function, upstream's class, then either
 the row of ``test_upstream_errors.py`` that triggers it against both
@@ -36,15 +36,18 @@ _SV = "same class (also a ValueError), upstream's message first"
 _P8 = "API added by issue 14 point 8; the row skips for fsdp2 until it lands"
 
 UPSTREAM_RAISES: list[Raise] = [
-    Raise("_fsdp_api.py", "DataParallelMeshDims.__post_init__", "ValueError", "mesh_dims_empty", _P8),
+    Raise("_fsdp_api.py", "DataParallelMeshDims.__post_init__", "ValueError",
+          "mesh_dims_empty", _P8),
     Raise("_fsdp_collectives.py", "foreach_reduce", "AssertionError",
           "internal: Shard(k > 0) gradients always divide evenly (fully_shard requires it)", "-"),
     Raise("_fsdp_collectives.py", "foreach_reduce", "AssertionError",
           "plain_tensor_as_sharded_grad", _SV),
     Raise("_fsdp_common.py", "DataParallelMeshInfo.__post_init__", "AssertionError",
           "internal: mesh infos are built with a shard or replicate dim", "-"),
-    Raise("_fsdp_common.py", "FSDPMeshInfo.__post_init__", "AssertionError", "internal: as above", "-"),
-    Raise("_fsdp_common.py", "DDPMeshInfo.__post_init__", "AssertionError", "internal: as above", "-"),
+    Raise("_fsdp_common.py", "FSDPMeshInfo.__post_init__", "AssertionError",
+          "internal: as above", "-"),
+    Raise("_fsdp_common.py", "DDPMeshInfo.__post_init__", "AssertionError",
+          "internal: as above", "-"),
     Raise("_fsdp_common.py", "_raise_assert_with_print", "AssertionError",
           "internal: helper for upstream's state and size invariants", "-"),
     Raise("_fsdp_common.py", "resolve_shard_placement", "ValueError",
@@ -202,7 +205,8 @@ UPSTREAM_RAISES: list[Raise] = [
           "internal: FQNs are strings", "-"),
     Raise("_fsdp_state.py", "FSDPState._reset_iter_state", "RuntimeError",
           "reset_iter_state_on_non_root", _S),
-    Raise("_fully_shard.py", "fully_shard", "NotImplementedError", "mesh_dims_with_int_reshard", _P8),
+    Raise("_fully_shard.py", "fully_shard", "NotImplementedError",
+          "mesh_dims_with_int_reshard", _P8),
     Raise("_fully_shard.py", "_unimplemented_deepcopy", "AssertionError", "deepcopy", _SV),
     Raise("_fully_shard.py", "FSDPModule.set_reshard_after_forward", "ValueError",
           "set_reshard_after_forward_int", _S),
@@ -224,7 +228,8 @@ UPSTREAM_RAISES: list[Raise] = [
           "internal: only fully_shard gives a module the FSDP class, with its state", "-"),
     Raise("_fully_shard.py", "register_fsdp_forward_method", "ValueError",
           "register_missing_forward_method", _S),
-    Raise("_fully_shard.py", "share_comm_ctx", "ValueError", "share_comm_ctx_with_plain_module", _P8),
+    Raise("_fully_shard.py", "share_comm_ctx", "ValueError",
+          "share_comm_ctx_with_plain_module", _P8),
     Raise("_fully_shard.py", "_assert_all_fsdp_modules", "ValueError",
           "prefetch_list_with_plain_module", _S),
 ]
