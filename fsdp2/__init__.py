@@ -6,6 +6,7 @@ keep the rest of the training script.
 
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .checkpoint import load_checkpoint, save_checkpoint
+from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .optim import clip_grad_norm_, enable_local_shard_step
@@ -22,6 +23,8 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     # fsdp2's own tools
+    "FSDPAssertionError",
+    "FSDPNotImplementedError",
     "IncompatibleKeys",
     "TorchPatch",
     "clip_grad_norm_",

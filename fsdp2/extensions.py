@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .api import MixedPrecisionPolicy
+from .errors import FSDPAssertionError
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"
@@ -61,13 +62,19 @@ def check_extension(tensor: torch.Tensor, fqn: str) -> None:
     """Fail early, naming the parameter, if the hooks are incomplete or mis-declared."""
     if not (hasattr(tensor, _PRE) and hasattr(tensor, _POST)):
         missing = _POST if hasattr(tensor, _PRE) else _PRE
-        raise ValueError(
+        raise FSDPAssertionError(
+            f"Both {_PRE} and {_POST} should be defined if using all-gather extensions: "
+            f"{tensor}\n"
             f"Parameter '{fqn}' ({type(tensor).__name__}) defines only one all-gather "
             f"extension hook; define {missing} too (both {_PRE} and {_POST} are needed)"
         )
-    num_args = len(inspect.signature(getattr(tensor, _PRE)).parameters)
+    signature = inspect.signature(getattr(tensor, _PRE))
+    num_args = len(signature.parameters)
     if num_args not in (1, 5):
-        raise ValueError(
+        raise FSDPAssertionError(
+            f"Invalid {_PRE}: {signature}\nExpects {_PRE}(self, mesh: DeviceMesh, "
+            "outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, "
+            "mp_policy: MixedPrecisionPolicy)\n"
             f"Parameter '{fqn}': {type(tensor).__name__}.{_PRE} takes {num_args} arguments; "
             "expected fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, "
             "mp_policy)"
@@ -113,7 +120,11 @@ class ExtensionState:
         # Like upstream: a rank holding fewer rows than the padded shard must send
         # inputs of exactly the padded shard's size (so every rank sends as much).
         if local.size() != padded_size and any(t.size() != padded_size for t in inputs):
-            raise ValueError(
+            raise FSDPAssertionError(
+                "When a parameter is unevenly sharded by FSDP "
+                f"(orig size={outer_size}, FSDP world size={self.mesh.size()}), {_PRE} must "
+                f"return all-gather inputs with the padded sharded size {padded_size} but got "
+                f"{[t.size() for t in inputs]}\n"
                 f"Parameter '{fqn}' is sharded unevenly (local {tuple(local.shape)}, padded "
                 f"{tuple(padded_size)}): {_PRE} must then return inputs of the padded "
                 f"size, got {[tuple(t.shape) for t in inputs]}; pad them, or shard a "

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._torch_compat import composable_apis, mark_composable_api
 from .api import MixedPrecisionPolicy, OffloadPolicy, resolve_policies
+from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
@@ -21,7 +22,6 @@ from .mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
-from .mixed_precision import check_trainable_dtypes
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -133,8 +133,6 @@ def fully_shard(
         p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
     }
     spmd_meshes = _spmd_meshes(params, mesh)
-    # Frozen parameters may differ (see [Note: Mixed-dtype groups] in flat_shard.py).
-    check_trainable_dtypes((names[p], p) for p in params)
     _move_buffers(modules, ignored, device)
     group = None
     if params:
@@ -163,11 +161,20 @@ def fully_shard(
         cls = m.__class__
         fsdp_cls = _fsdp_classes.get(cls)
         if fsdp_cls is None:
-            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            attrs = {"__deepcopy__": _no_deepcopy}
+            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
             _fsdp_classes[cls] = fsdp_cls
         m.__class__ = fsdp_cls
         mark_composable_api(m)  # e.g. torch's replicate() then leaves these parameters to us
     return module
+
+
+def _no_deepcopy(self: nn.Module, memo: dict) -> Any:
+    raise FSDPAssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization.\n"
+        "Copy the model before fully_shard, or build a new one and load "
+        "model.state_dict() into it."
+    )
 
 
 # ---- validation ---------------------------------------------------------------
@@ -181,10 +188,19 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if state_of(m) is not None:
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; "
-                "apply it once per module (bottom-up: blocks first, then the root)"
+            raise FSDPAssertionError(
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard has already been applied to the following module:\n{m}\n"
+                "Apply fully_shard once per module (bottom-up: blocks first, then the root)."
             )
+    # Checked on the argument itself, as upstream: a list of modules is fine.
+    container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    if container and type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {module}\n"
+            "Shard each of its modules (fully_shard(m) for m in the container), or pass "
+            "list(container) to shard them as one group."
+        )
     return modules
 
 
@@ -203,12 +219,14 @@ def _resolve_reshard_after_forward(
                 return True, None
             return True, post_forward_mesh_info(mesh_info, value)
         raise ValueError(
-            f"reshard_after_forward={value} is invalid: an int must be a divisor of the "
-            f"shard mesh size {size}; or pass True/False/None"
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{size}, not {value}\nAn int reshard_after_forward is the size of the group "
+            "the parameters stay sharded over after forward; or pass True/False/None."
         )
     raise ValueError(
-        f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__} "
-        f"{value!r}"
+        "reshard_after_forward should be a bool or an int representing the group size to "
+        f"reshard to, not {value}\n(got {type(value).__name__} {value!r}; None means True "
+        "for every module but the root)"
     )
 
 
@@ -275,6 +293,7 @@ def _shard_dim(
         return 0
     if type(placement) is not Shard:
         raise ValueError(
+            f"Invalid shard_placement_fn result: {placement}\n"
             f"shard_placement_fn returned {placement!r} for '{name}'; it must return a "
             "Shard(dim) or None"
         )
@@ -282,17 +301,20 @@ def _shard_dim(
     ndim = local.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < ndim:
-        raise ValueError(
-            f"shard_placement_fn returned {placement} for '{name}' of shape "
-            f"{tuple(local.shape)}: the dim must be in [-{ndim}, {ndim})"
+        raise FSDPAssertionError(
+            f"Shard dim {dim} is invalid for {ndim}D tensor: {param.shape}\n"
+            f"shard_placement_fn returned {placement} for '{name}'; the dim must be in "
+            f"[-{ndim}, {ndim})"
         )
     size = mesh_info.shard_mesh_size
     if dim > 0 and local.size(dim) % size != 0:
-        raise ValueError(
-            f"shard_placement_fn returned {placement} for '{name}' of (local) shape "
-            f"{tuple(local.shape)}, but dim {dim} ({local.size(dim)}) does not divide evenly "
-            f"over the shard mesh size {size}; sharding a dim other than 0 needs even "
-            "division: pick another dim or return None (Shard(0))"
+        raise FSDPNotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {local.size()} "
+            f"(world size: {size})\n"
+            f"shard_placement_fn returned {placement} for '{name}', but dim {dim} "
+            f"({local.size(dim)}) does not divide evenly over the shard mesh size {size}; "
+            "sharding a dim other than 0 needs even division: pick another dim or return "
+            "None (Shard(0))"
         )
     return dim
 
@@ -311,24 +333,50 @@ def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Par
 
 
 def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
-    if isinstance(param, DTensor):
-        if param.device_mesh.device_type != device.type:
-            raise ValueError(
-                f"Parameter '{name}' is a DTensor on a '{param.device_mesh.device_type}' mesh "
-                f"but fully_shard's mesh is on '{device.type}'; use meshes of one device type"
-            )
-        param = param.to_local()
     if param.dim() == 0:
+        attr = name.rsplit(".", 1)[-1]  # upstream names the attribute
         raise ValueError(
+            "fully_shard doesn't support scalar parameters. "
+            f"Change {attr} to a 1D tensor with numel equal to 1.\n"
             f"Parameter '{name}' is a scalar (0-dim); FSDP shards on dim 0. Reshape it to "
             "shape (1,) or pass it in ignored_params"
         )
-    if not param.is_contiguous():
-        raise ValueError(
-            f"Parameter '{name}' is not contiguous (shape {tuple(param.shape)}, stride "
-            f"{param.stride()}); make it contiguous before fully_shard, e.g. "
-            "module.<name> = nn.Parameter(module.<name>.contiguous())"
+    if isinstance(param, DTensor):
+        if param.device_mesh.device_type != device.type:
+            raise ValueError(
+                "Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+                f"{param.device_mesh.device_type} for DTensor and {device.type} for FSDP\n"
+                f"Parameter '{name}' is a DTensor on a '{param.device_mesh.device_type}' mesh "
+                f"but fully_shard's mesh is on '{device.type}'; use meshes of one device type"
+            )
+        if not param.is_meta and param.device != device:
+            raise FSDPAssertionError(
+                f"Expects DTensor to be moved to {param.device_mesh.device_type} but got "
+                f"{param.device}\nParameter '{name}' is a DTensor on {param.device} but "
+                f"fully_shard shards on {device}; build its mesh on the current device"
+            )
+        if len(param.placements) > 2:
+            raise FSDPNotImplementedError(
+                f"FSDP only supports 1D TP/EP or 2D EP+TP, not {param.placements}\n"
+                f"Parameter '{name}' is a DTensor on a {len(param.placements)}-D mesh; "
+                "distribute it over at most 2 model-parallel mesh dims"
+            )
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if param.is_contiguous() and not local.is_contiguous():  # a DTensor given other strides
+        raise FSDPAssertionError(
+            "Expected contiguous tensor, got "
+            f"param_data.shape={local.shape!r} param_data.stride()={local.stride()!r}\n"
+            f"Parameter '{name}' is a DTensor whose local tensor is not contiguous; make the "
+            "local tensor contiguous before DTensor.from_local"
         )
+    if not param.is_contiguous():
+        raise FSDPNotImplementedError(
+            "FSDP does not support non-contiguous parameters yet: "
+            f"param.shape={param.shape!r} param.stride()={param.stride()!r}\n"
+            f"Parameter '{name}' is not contiguous; make it contiguous before fully_shard, "
+            "e.g. module.<name> = nn.Parameter(module.<name>.contiguous())"
+        )
+    param = local
     if not param.is_meta and param.device.type != device.type and param.device.type != "cpu":
         raise ValueError(
             f"Parameter '{name}' is on {param.device} but the mesh's device is {device}; "

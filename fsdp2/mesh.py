@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._torch_compat import concatenate_meshes
+from .errors import FSDPAssertionError
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def mesh_info_for(mesh: DeviceMesh) -> FSDPMeshInfo:
         )
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
-            raise ValueError(
+            raise FSDPAssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified\n"
                 f"fully_shard got a 2-D mesh without dim names {mesh}; HSDP needs named dims: "
                 "init_device_mesh(device, (replicate, shard), "
                 "mesh_dim_names=('replicate', 'shard'))"
@@ -96,9 +98,10 @@ def mesh_info_for(mesh: DeviceMesh) -> FSDPMeshInfo:
             replicate_mesh_rank=mesh.get_local_rank(0),
         )
     raise ValueError(
-        f"fully_shard expects a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got a "
-        f"{mesh.ndim}-D mesh {mesh}; with tensor parallelism apply parallelize_module on the "
-        "tp sub-mesh first and pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}\n"
+        f"A 1-D mesh shards (FSDP), a 2-D (replicate, shard) mesh replicates and shards "
+        f"(HSDP); this one is {mesh.ndim}-D. With tensor parallelism apply parallelize_module "
+        "on the tp sub-mesh first and pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
         "mesh['replicate', 'shard']"
     )
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .api import MixedPrecisionPolicy
+from .errors import FSDPAssertionError
 from .nested import map_tensors
 
 
@@ -57,13 +58,16 @@ def check_trainable_dtypes(named_params: Iterable[tuple[str, torch.Tensor]]) -> 
 
     A group reduces its gradients in one reduce-scatter of one dtype; frozen
     parameters are only gathered (as bytes when dtypes differ), so any dtype
-    is fine for them. Upstream asserts the same at lazy init.
+    is fine for them. Upstream asserts the same at lazy init (see [Note: Exceptions
+    compatible with upstream] in errors.py).
     """
     trainable = [(name, p.dtype) for name, p in named_params if p.requires_grad]
-    if len({dtype for _, dtype in trainable}) <= 1:
+    dtypes = {dtype for _, dtype in trainable}
+    if len(dtypes) <= 1:
         return
     listing = ", ".join(f"'{name}': {str(dtype).removeprefix('torch.')}" for name, dtype in trainable)
-    raise ValueError(
+    raise FSDPAssertionError(
+        f"FSDP expects uniform original parameter dtype but got {dtypes}\n"
         "The parameters of one fully_shard group that require grad must share one dtype "
         f"(their gradients are reduced together), got {listing}. Cast them to one dtype "
         "(e.g. module.float()), freeze the ones you do not train (requires_grad_(False); "

@@ -101,6 +101,7 @@ class FSDPModule:
             if state.is_root is None:  # before the first forward's lazy init
                 group.adopt_params()
                 group.check_materialized()
+                group.check_dtypes()
             group.unshard(async_op=async_op)
         handle = _GroupUnshardHandle(group)
         if async_op:
@@ -285,7 +286,10 @@ class FSDPModule:
         whole group (with padding), before any post-division; the hook may
         modify it in place, e.g. to all-reduce it over another group (custom
         HSDP). ``stream``: the accelerator stream to run it on (default: the
-        current one). ``None`` as ``hook`` removes it.
+        current one, or the one given before); not with a native HSDP mesh,
+        where the hook runs after the all-reduce. ``None`` as ``hook`` removes
+        it (a stream given before must then be unused: the next backward
+        raises otherwise, as upstream).
         """
         if hook is not None and not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
@@ -296,8 +300,15 @@ class FSDPModule:
             )
         group = self._fsdp_state().param_group
         if group is not None:
+            if stream is not None and group.mesh_info.is_hsdp:
+                raise ValueError(
+                    "stream cannot be set when using native HSDP\n"
+                    "On a 2-D (replicate, shard) mesh the hook runs after FSDP's own all-reduce, "
+                    "on its stream: pass stream=None"
+                )
             group.all_reduce_hook = hook
-            group.all_reduce_hook_stream = stream
+            if stream is not None:  # as upstream: a later call without a stream keeps it
+                group.all_reduce_hook_stream = stream
 
     # ---- nn.Module integration ------------------------------------------------------
 
@@ -372,9 +383,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """
     if not isinstance(module, FSDPModule):
         return
-    method = getattr(module, method_name, None)
-    if method is None or not callable(method):
-        raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register")
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+    if not callable(method):
+        raise ValueError(
+            f"{type(module)} does not have a method {method_name}\n"
+            f"'{method_name}' is a {type(method).__name__}, not a method"
+        )
 
     @functools.wraps(method)
     def wrapped(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
@@ -410,6 +426,7 @@ def _prefetch_groups(modules: Iterable[Any], method: str) -> tuple[FSDPParamGrou
     for i, module in enumerate(items):
         if not isinstance(module, FSDPModule):
             raise ValueError(
+                f"Expects FSDPModule but got {type(module)}: {module}\n"
                 f"{method}: item {i} ({type(module).__name__}) is not an FSDP module; "
                 "call fully_shard on it first, or leave it out of the list"
             )

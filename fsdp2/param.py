@@ -38,6 +38,7 @@ expects.
 
 from __future__ import annotations
 
+import itertools
 import math
 from enum import Enum, auto
 
@@ -55,10 +56,28 @@ from ._torch_compat import (
     set_local_tensor,
     strided_shard,
 )
+from .errors import FSDPAssertionError
 from .extensions import ExtensionState, check_extension, has_extension
 from .mesh import FSDPMeshInfo
 
 _MODULE_SETATTR = nn.Module.__setattr__
+
+ORIG_UID_ATTR = "_fsdp2_orig_uid"
+_uids = itertools.count()
+
+
+def original_uid(param: nn.Parameter) -> int:
+    """A number naming ``param`` for good, set on it the first time FSDP manages it.
+
+    Sharding replaces the parameter on its modules, so the object itself
+    cannot tell later calls that they shard the same parameter again (see
+    [Note: A parameter belongs to one group] in shared_params.py).
+    """
+    uid = param.__dict__.get(ORIG_UID_ATTR)
+    if uid is None:
+        uid = next(_uids)
+        setattr(param, ORIG_UID_ATTR, uid)
+    return uid
 
 
 def _parameter_on(
@@ -96,6 +115,7 @@ class FSDPParam:
         spmd_mesh: DeviceMesh | None = None,
     ) -> None:
         self.module_infos = module_infos
+        self.orig_uid = original_uid(param)
         self.mesh_info = mesh_info
         self.fqn = fqn
         # Tensor parallel: shard the TP-local tensor, keep the TP spec for the
@@ -295,6 +315,14 @@ class FSDPParam:
                 "(DTensor values) or copy values in place instead"
             )
         if tuple(new_param.placements) != self._placements:
+            local = local_tensor(new_param)
+            if self.shard_dim > 0 and local.size() != self.local_size:  # upstream's symptom
+                raise FSDPAssertionError(
+                    f"Shard({self.shard_dim}) requires even sharding: "
+                    f"local_tensor.size()={local.size()!r}\n"
+                    f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
+                    f"{new_param.placements}; expected {self._placements}"
+                )
             raise ValueError(
                 f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
                 f"{new_param.placements}; expected {self._placements}"
@@ -481,6 +509,13 @@ class FSDPParam:
         existing = self.sharded_param.grad
         if existing is None:
             self.sharded_param.grad = dtensor_like(self.sharded_param, local_grad)
+        elif not isinstance(existing, DTensor):
+            raise FSDPAssertionError(
+                "Expected fsdp_param.sharded_param.grad to be DTensor, got "
+                f"{type(existing)}\nParameter '{self.fqn}' has a plain tensor as .grad; FSDP "
+                "accumulates into sharded (DTensor) gradients: set .grad to None (e.g. "
+                "optimizer.zero_grad()) or to a DTensor like the parameter"
+            )
         else:
             local_tensor(existing).add_(local_grad)
         # Autograd never accumulates into the sharded parameter itself, so its

@@ -52,6 +52,7 @@ import torch.nn as nn
 from . import collectives, staged_collectives
 from ._torch_compat import local_tensor
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .errors import FSDPNotImplementedError
 from .flat_shard import FlatShard, FlatShardLayout
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
@@ -123,8 +124,16 @@ class FSDPParamGroup(GradientReduction):
         self.all_gather_comm: staged_collectives.AllGather | None = None
         self.reduce_scatter_comm: staged_collectives.ReduceScatter | None = None
         self._has_extensions = any(p.extension is not None for p in fsdp_params)
+        tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
+        if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
+            raise FSDPNotImplementedError(
+                "Resharding to smaller mesh is not supported for DTensor parameters yet\n"
+                "reshard_after_forward=<int> with tensor-parallel (DTensor) parameters "
+                f"({', '.join(tp_names)}); pass True or False"
+            )
         if self._has_extensions and post_forward_mesh_info is not None:
-            raise NotImplementedError(
+            # Upstream raises a bare NotImplementedError at the backward all-gather.
+            raise FSDPNotImplementedError(
                 "reshard_after_forward=<int> is not supported with all-gather extensions "
                 f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
                 "pass True or False"
@@ -151,7 +160,6 @@ class FSDPParamGroup(GradientReduction):
         dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
         See [Note: Mixed precision cast points] in mixed_precision.py.
         """
-        check_trainable_dtypes((p.fqn, p.sharded_param) for p in self.fsdp_params)
         layout = self._layout
         # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
@@ -195,6 +203,14 @@ class FSDPParamGroup(GradientReduction):
             self._init_dtypes()
         return placed
 
+    def check_dtypes(self) -> None:
+        """Fail clearly unless the trainable parameters share one dtype.
+
+        At lazy init, as upstream: the dtypes may still change between
+        ``fully_shard`` and the first forward (e.g. ``model.float()``).
+        """
+        check_trainable_dtypes((p.fqn, p.sharded_param) for p in self.fsdp_params)
+
     def check_materialized(self) -> None:
         """Fail clearly, naming them, if any parameter is still on ``meta``."""
         names = self._flat.names_on_meta()
@@ -203,6 +219,8 @@ class FSDPParamGroup(GradientReduction):
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {names}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values.\n"
                 f"These parameters{where} were never materialized: call "
                 "model.to_empty(device=...) and then initialize them (e.g. "
                 "reset_parameters() on each module), or load them with "
@@ -215,14 +233,17 @@ class FSDPParamGroup(GradientReduction):
         if not self.offload:
             return
         misplaced = [
-            f"'{p.fqn}' ({p.sharded_param.device})"
+            (p.fqn, p.sharded_param.device)
             for p in self.fsdp_params
             if p.sharded_param.device.type != "cpu"
         ]
         if misplaced:
             raise RuntimeError(
+                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                f"Found following parameters on non-CPU device: {misplaced}\n"
                 "CPUOffloadPolicy keeps sharded parameters on the CPU, but "
-                f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} not. "
+                f"{'this one is' if len(misplaced) == 1 else 'these are'} not. "
                 'Materialize the model on the CPU (e.g. model.to_empty(device="cpu") and '
                 "initialize it, or load a CPU state dict); FSDP copies the shards to "
                 f"{self.device} for each all-gather."

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .errors import FSDPAssertionError
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 
@@ -45,6 +46,13 @@ class GradientReduction:
     def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
+        if not hsdp and self.all_reduce_hook is None and self.all_reduce_hook_stream is not None:
+            raise FSDPAssertionError(
+                "all reduce hook stream is specified but hook itself is missing.\n"
+                f"{repr(self.module_fqn) if self.module_fqn else 'The root module'} has an "
+                "all-reduce hook stream (set_all_reduce_hook(..., stream=...)) but its hook is "
+                "None; set a hook again before backward"
+            )
         reduce_dtype = self.reduce_dtype or grads[0].dtype
         if any(g.dtype != reduce_dtype for g in grads) and self.reduce_dtype is not None:
             grads[:] = [g.to(reduce_dtype) for g in grads]  # held (accumulated) and fresh mixed

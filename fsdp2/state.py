@@ -1,7 +1,8 @@
 """FSDPState: the hooks of one fully_shard call, root lazy init, end of backward.
 
 [Note: One training step]
-root pre-forward   lazy init once (root, FQNs, meta check, root keeps its
+root pre-forward   lazy init once (root, FQNs, no parameter in two groups,
+                   meta and dtype checks, root keeps its
                    parameters unsharded after forward unless told otherwise);
                    wait for the user's post-optimizer event, if one was set
 pre-forward        cast floating inputs (mixed precision); unshard the group;
@@ -37,6 +38,7 @@ from .api import MixedPrecisionPolicy
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
 from .param_group import FSDPParamGroup, IterContext
+from .shared_params import check_shared_params
 
 logger = logging.getLogger("fsdp2.state")
 
@@ -110,6 +112,7 @@ class FSDPState:
         if len(self.modules) != 1:
             names = ", ".join(type(m).__name__ for m in self.modules)
             raise RuntimeError(
+                f"FSDP requires a single root module but got {self.modules}\n"
                 f"The first FSDP forward ran on a group of several modules ({names}); "
                 "call fully_shard on the model's root module and run forward through it"
             )
@@ -124,8 +127,10 @@ class FSDPState:
                 continue
             if state is not self and state.is_root is not None:
                 raise RuntimeError(
-                    f"FSDP module '{name}' already ran forward as its own root before "
-                    f"'{type(root_module).__name__}'; run the first forward through the root module"
+                    f"FSDP state has already been lazily initialized for {name}\n"
+                    "FSDP requires running forward through the root module first\n"
+                    f"'{name}' ran forward as its own root before '{type(root_module).__name__}' "
+                    "did; run the first forward through the root module"
                 )
             if state is not self:
                 self._adopt_settings(state)
@@ -141,6 +146,7 @@ class FSDPState:
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
         try:
+            check_shared_params(root_module, ctx.all_states, module_fqns)
             for state in ctx.all_states:
                 state._lazy_init_group(module_fqns, ctx)
         except BaseException:
@@ -165,6 +171,7 @@ class FSDPState:
         group.adopt_params(force=True)
         group.check_materialized()
         group.check_offloaded()
+        group.check_dtypes()
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""
@@ -288,8 +295,9 @@ class FSDPState:
             root = self.root_ctx.root.modules[0]
             where = self.param_group.module_fqn if self.param_group is not None else ""
             raise RuntimeError(
-                f"reset_iter_state() must be called on the root FSDP module, not on "
-                f"'{where or type(self.modules[0]).__name__}': call it on the "
+                "reset_iter_state must be called on the root FSDP module\n"
+                f"reset_iter_state() was called on '{where or type(self.modules[0]).__name__}', "
+                "not on the root: call it on the "
                 f"{type(root).__name__} that fully_shard was applied to last (the model)"
             )
         if self.is_root is None:

@@ -60,8 +60,9 @@ def _mixed_dtype_model() -> MLP:
 
 def _mixed_dtype_body(rank, world_size):
     model = _mixed_dtype_model()
+    fully_shard(model, mesh=cpu_mesh())  # dtypes may still change until the first forward
     with pytest.raises(ValueError) as info:
-        fully_shard(model, mesh=cpu_mesh())
+        mlp_loss(model, mlp_batch(0, 2)).backward()
     msg = str(info.value)
     assert "float64" in msg and "float32" in msg, msg
     assert "mid_proj.weight" in msg or "mid_proj.bias" in msg, f"no float64 param named: {msg}"
@@ -73,7 +74,7 @@ def _mixed_dtype_body(rank, world_size):
 
 @fsdp2_only
 def test_mixed_dtypes_in_group_value_error():
-    """A group mixing trainable float32 and float64 params fails at fully_shard naming dtypes, params and fixes."""
+    """A group mixing trainable float32 and float64 params fails at the first forward naming dtypes, params and fixes."""
     run_ranks(_mixed_dtype_body, 1)
 
 
