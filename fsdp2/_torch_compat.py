@@ -7,8 +7,9 @@ file that changes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,6 +63,56 @@ def dtensor_parameter(template: DTensor, local: torch.Tensor, requires_grad: boo
     param = DTensor(local, template._spec, requires_grad=requires_grad)
     param._is_param = True
     return param
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_functorch(fn: _F) -> _F:
+    """``fn``, run with ``torch.func`` transforms (``jvp``, ``vmap``, ...) switched off.
+
+    Inside a transform every op's output is wrapped for that transform
+    (a functorch ``TensorWrapper``, whose storage cannot be read); FSDP's
+    bookkeeping on its own buffers (all-gathers, copies, views of the flat
+    shard, swapping parameters) must make plain tensors, which the model's
+    forward then uses like any other parameter. Free when no transform is
+    active. Wraps ``torch._C._are_functorch_transforms_active`` and
+    ``torch._C._DisableFuncTorch`` (torch 2.0 - 2.13).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def set_requires_grad(tensor: torch.Tensor, requires_grad: bool) -> None:
+    """``tensor.requires_grad_(requires_grad)``, also while a ``torch.func`` transform runs.
+
+    functorch refuses ``requires_grad_`` inside a transform (meant for the
+    transform's own wrapped tensors); FSDP's unsharded parameters are plain
+    tensors made with the transform switched off (``outside_functorch``) and
+    follow their sharded parameter's flag. Wraps
+    ``torch._functorch.eager_transforms.enable_inplace_requires_grad``
+    (torch 2.0 - 2.13).
+    """
+    if torch._C._are_functorch_transforms_active():
+        from torch._functorch.eager_transforms import enable_inplace_requires_grad
+
+        with enable_inplace_requires_grad(True):
+            tensor.requires_grad_(requires_grad)
+    else:
+        tensor.requires_grad_(requires_grad)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running; wraps
+    ``torch._C._are_functorch_transforms_active`` (torch 2.0 - 2.13)."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

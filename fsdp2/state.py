@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ._torch_compat import (
+    functorch_active,
     in_backward,
     queue_backward_callback,
     tree_flatten,
@@ -35,6 +36,7 @@ from ._torch_compat import (
     tree_unflatten,
 )
 from .api import MixedPrecisionPolicy
+from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup, IterContext
 
@@ -254,6 +256,8 @@ class FSDPState:
             for t in leaves:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
+            if functorch_active():  # See [Note: torch.func transforms]
+                output = hook_outputs_in_transform(output, self._pre_backward)
         return output
 
     # ---- backward hooks -------------------------------------------------------
