@@ -46,20 +46,20 @@ class _PreBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(pre_backward: PreBackward, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return output.view_as(output)
+    def forward(pre_backward: PreBackward, output: torch.Tensor) -> torch.Tensor:  # type: ignore
+        return output
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pre_backward = inputs[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore
         ctx.pre_backward(grad)
         return None, grad
 
     @staticmethod
-    def jvp(ctx: Any, _: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:  # type: ignore[override]
+    def jvp(ctx: Any, _: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:  # type: ignore
         if tangent is None:
             return None
         return _PreBackward.apply(ctx.pre_backward, tangent)

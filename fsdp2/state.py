@@ -307,17 +307,33 @@ class FSDPState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on the group's forward inputs; its backward is the post-backward."""
+    """Identity on the group's forward inputs; its backward is the post-backward.
+
+    Written with ``setup_context`` (and a vmap and a forward-mode rule) so that
+    it also runs inside ``torch.func`` transforms; see [Note: torch.func
+    transforms] in func_transforms.py.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(  # type: ignore[override]
+        group: FSDPParamGroup, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.group.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore
+        return tangents
 
 
 def _register_post_backward(

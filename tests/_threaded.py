@@ -40,7 +40,7 @@ def run_threads(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` thread ranks; return per-rank results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` thread ranks; return their results."""
     __tracebackhide__ = True
     world = ThreadedWorld()
     store = dist.HashStore()

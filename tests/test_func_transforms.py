@@ -39,7 +39,8 @@ def _inputs(world_size: int, rank: int | None) -> tuple[torch.Tensor, torch.Tens
 def _shard(model: MLP, shard_fn, layout: str, reshard, bf16: bool) -> MLP:
     kwargs = {"mesh": cpu_mesh(), "reshard_after_forward": reshard}
     if bf16:
-        policy = UpstreamMixedPrecision if shard_fn is upstream_fully_shard else MixedPrecisionPolicy
+        upstream = shard_fn is upstream_fully_shard
+        policy = UpstreamMixedPrecision if upstream else MixedPrecisionPolicy
         kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if layout == "per":
         shard_fn(model.in_proj, **kwargs)
@@ -49,16 +50,20 @@ def _shard(model: MLP, shard_fn, layout: str, reshard, bf16: bool) -> MLP:
 
 
 def _transform(model: nn.Module, transform: str, x: torch.Tensor, t: torch.Tensor):
-    """The transform's outputs, and a scalar loss on them (for a backward through them)."""
-    if transform == "jvp":
+    """(outputs, a scalar loss on them or None, the input used) of one transform."""
+    if transform in ("jvp", "jvp-input-grad"):
+        if transform == "jvp-input-grad":  # the input also takes part in outer autograd
+            x = x.clone().requires_grad_()
         out, tangent = torch.func.jvp(model, (x,), (t,))
-        return [out, tangent], out.float().pow(2).mean() + tangent.float().pow(2).mean()
+        return [out, tangent], out.float().pow(2).mean() + tangent.float().pow(2).mean(), x
     if transform == "vmap":  # over 2 halves of the batch
         out = torch.func.vmap(model)(x.view(2, -1, x.shape[-1]))
-        return [out], out.float().pow(2).mean()
+        return [out], out.float().pow(2).mean(), x
     if transform == "jacfwd":  # d out / d x of each sample: (n, 1, n, 7)
         jac = torch.func.jacfwd(model)(x)
-        return [jac], jac.float().pow(2).sum() / x.shape[0]
+        return [jac], jac.float().pow(2).sum() / x.shape[0], x
+    if transform == "grad":  # d sum(out) / d x, reverse mode inside the transform
+        return [torch.func.grad(lambda inp: model(inp).sum())(x)], None, x
     raise AssertionError(transform)
 
 
@@ -66,14 +71,18 @@ def _flow(transform, layout, reshard, bf16, shard_fn, rank, world_size):
     """Transform first, then backward through it, a step, and a plain training step."""
     model = _shard(build_mlp(0), shard_fn, layout, reshard, bf16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, t = _inputs(world_size, rank)
-    outputs, loss = _transform(model, transform, x, t)
+    outputs, loss, x = _transform(model, transform, *_inputs(world_size, rank))
     outputs = [o.detach().clone() for o in outputs]
-    loss.backward()
-    # (no gradient for out_proj.bias under jacfwd: d out / d x does not depend on it)
-    grads = {n: None if p.grad is None else full(p.grad).clone() for n, p in model.named_parameters()}
-    opt.step()
-    opt.zero_grad()
+    grads = {}
+    if loss is not None:
+        loss.backward()
+        # (no gradient for out_proj.bias under jacfwd: d out / d x does not depend on it)
+        grads = {n: None if p.grad is None else full(p.grad).clone()
+                 for n, p in model.named_parameters()}
+        if x.requires_grad:
+            outputs.append(x.grad)
+        opt.step()
+        opt.zero_grad()
     step_loss = mlp_loss(model, rank_slice(mlp_batch(0, BATCH), rank, world_size))
     step_loss.backward()
     opt.step()
@@ -85,16 +94,22 @@ def _reference(transform, rank, world_size):
     """The same flow on the unsharded model: outputs on this rank's slice, the rest on the batch."""
     ref = build_mlp(0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    outputs, _ = _transform(copy.deepcopy(ref), transform, *_inputs(world_size, rank))
-    _, loss = _transform(ref, transform, *_inputs(world_size, None))
-    loss.backward()
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
-    opt.step()
-    opt.zero_grad()
+    outputs, loss, x = _transform(copy.deepcopy(ref), transform, *_inputs(world_size, rank))
+    outputs = [o.detach() for o in outputs]
+    if x.requires_grad:  # this rank's loss, as on the sharded model
+        loss.backward()
+        outputs.append(x.grad)
+    _, loss, _ = _transform(ref, transform, *_inputs(world_size, None))
+    grads = {}
+    if loss is not None:
+        loss.backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
     mlp_loss(ref, mlp_batch(0, BATCH)).backward()
     opt.step()
     params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    return [o.detach() for o in outputs], grads, params
+    return outputs, grads, params
 
 
 def _case(transform, layout, reshard, bf16=False, vs_upstream=True):
@@ -119,7 +134,7 @@ def _cases(world_size: int) -> dict:
         for reshard in (False, True)
     }
     cases["jvp-per-True-bf16"] = _case("jvp", "per", True, bf16=True)
-    for transform in ("vmap", "jacfwd"):
+    for transform in ("jvp-input-grad", "vmap", "jacfwd", "grad"):
         for reshard in (False, True):
             cases[f"{transform}-per-{reshard}"] = _case(transform, "per", reshard)
     if world_size == 4 and IMPL == "fsdp2":

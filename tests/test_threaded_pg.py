@@ -84,7 +84,9 @@ def test_mlp_trains_on_threaded_group(world_size, layout, reshard):
     results = run_threads(_train_both, world_size, layout, reshard)
     for rank, (ours, upstream) in enumerate(results):
         assert_nested_close(ours, upstream, f"rank {rank} vs upstream", rtol=0, atol=0)
-        torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(ours[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+        )
         assert_nested_close(ours[1], ref_params, f"rank {rank} params vs reference")
 
 
@@ -113,7 +115,7 @@ def _reinit(rank, world_size, store_dir):
 
 
 def test_new_process_group_gets_new_post_forward_groups():
-    """After destroy_process_group and a new init, reshard_after_forward=2 uses the new world's groups."""
+    """After destroy_process_group and a new init, reshard_after_forward=2 uses new groups."""
     with tempfile.TemporaryDirectory() as store_dir:
         results = run_ranks(_reinit, 4, store_dir)
     for rank, (first, second) in enumerate(results):
