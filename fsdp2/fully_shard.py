@@ -161,9 +161,9 @@ def fully_shard(
     for m in modules:
         cls = m.__class__
         fsdp_cls = _fsdp_classes.get(cls)
-        if fsdp_cls is None:
+        if fsdp_cls is None:  # setdefault: ranks that are threads all get the first class made
             fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-            _fsdp_classes[cls] = fsdp_cls
+            fsdp_cls = _fsdp_classes.setdefault(cls, fsdp_cls)
         m.__class__ = fsdp_cls
     return module
 
