@@ -1,4 +1,4 @@
-"""Sharded modules under ``torch.func`` transforms (``jvp``, ``vmap``).
+"""Sharded modules under ``torch.func`` transforms (``jvp``, ``vmap``, ``jacfwd``, ``grad``).
 
 [Note: torch.func transforms]
 ``torch.func.jvp(model, (x,), (t,))`` runs the model's forward, hooks and all,
@@ -26,6 +26,10 @@ then runs inside it too). Two things differ there from a plain forward:
    same identity, so a backward reaching the tangent output gathers the
    parameters as well. This is upstream's behaviour; its post-backward runs
    at the end of backward like any group whose inputs needed no gradient.
+3. Under a reverse-mode transform (``torch.func.grad`` with respect to the
+   inputs) the inputs do report ``requires_grad`` and go through
+   ``_PostBackward`` (state.py), which therefore has the ``setup_context``
+   form (with vmap and forward-mode rules) that functorch requires.
 """
 
 from __future__ import annotations
