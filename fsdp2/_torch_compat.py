@@ -7,9 +7,10 @@ file that changes.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -88,6 +89,56 @@ def composable_apis(module: nn.Module) -> tuple[str, ...]:
     from torch.distributed._composable.contract import _get_registry
 
     return tuple(_get_registry(module) or ())
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_functorch(fn: _F) -> _F:
+    """``fn``, run with ``torch.func`` transforms (``jvp``, ``vmap``, ...) switched off.
+
+    Inside a transform every op's output is wrapped for that transform
+    (a functorch ``TensorWrapper``, whose storage cannot be read); FSDP's
+    bookkeeping on its own buffers (all-gathers, copies, views of the flat
+    shard, swapping parameters) must make plain tensors, which the model's
+    forward then uses like any other parameter. Free when no transform is
+    active. Wraps ``torch._C._are_functorch_transforms_active`` and
+    ``torch._C._DisableFuncTorch`` (torch 2.0 - 2.13).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def set_requires_grad(tensor: torch.Tensor, requires_grad: bool) -> None:
+    """``tensor.requires_grad_(requires_grad)``, also while a ``torch.func`` transform runs.
+
+    functorch refuses ``requires_grad_`` inside a transform (meant for the
+    transform's own wrapped tensors); FSDP's unsharded parameters are plain
+    tensors made with the transform switched off (``outside_functorch``) and
+    follow their sharded parameter's flag. Wraps
+    ``torch._functorch.eager_transforms.enable_inplace_requires_grad``
+    (torch 2.0 - 2.13).
+    """
+    if torch._C._are_functorch_transforms_active():
+        from torch._functorch.eager_transforms import enable_inplace_requires_grad
+
+        with enable_inplace_requires_grad(True):
+            tensor.requires_grad_(requires_grad)
+    else:
+        tensor.requires_grad_(requires_grad)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running; wraps
+    ``torch._C._are_functorch_transforms_active`` (torch 2.0 - 2.13)."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -200,6 +251,40 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+class ThreadedWorld:
+    """torch's threaded process group: ranks as threads of this process.
+
+    Only the tests use it (upstream's own tests run FSDP this way, and so do
+    many users' unit tests). Between ``install()`` and ``uninstall()``, each
+    thread that calls ``init_process_group("threaded", rank=..., world_size=...,
+    store=...)`` joins one world as that rank, with process-group state of
+    its own. ``abort()`` wakes every thread blocked in a collective (they
+    raise ``SystemExit``). Wraps ``torch.testing._internal.distributed.
+    multi_threaded_pg`` (``_install_threaded_pg``, ``_uninstall_threaded_pg``,
+    ``ProcessLocalGroup.exception_handle`` / ``reset``) and
+    ``torch._C._distributed_c10d._set_thread_isolation_mode`` (torch 2.13).
+    """
+
+    def __init__(self) -> None:
+        from torch.testing._internal.distributed import multi_threaded_pg
+
+        self._mt = multi_threaded_pg
+
+    def install(self) -> None:
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        self._mt._install_threaded_pg()
+
+    def abort(self, exc: BaseException) -> None:
+        self._mt.ProcessLocalGroup.exception_handle(exc)
+
+    def uninstall(self) -> None:
+        try:
+            self._mt.ProcessLocalGroup.reset()
+            self._mt._uninstall_threaded_pg()
+        finally:
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
 
 
 def premul_sum_op(scale: float) -> Any:

@@ -160,10 +160,10 @@ def fully_shard(
     for m in modules:
         cls = m.__class__
         fsdp_cls = _fsdp_classes.get(cls)
-        if fsdp_cls is None:
+        if fsdp_cls is None:  # setdefault: ranks that are threads all get the first class made
             attrs = {"__deepcopy__": _no_deepcopy}
             fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), attrs)
-            _fsdp_classes[cls] = fsdp_cls
+            fsdp_cls = _fsdp_classes.setdefault(cls, fsdp_cls)
         m.__class__ = fsdp_cls
         mark_composable_api(m)  # e.g. torch's replicate() then leaves these parameters to us
     return module

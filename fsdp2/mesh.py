@@ -9,10 +9,23 @@ over the shard group and then all-reduced over the replicate group.
 group of ``k`` consecutive ranks of its shard group (the post-forward group),
 and the backward all-gather runs over that smaller group. Creating process
 groups is collective, so they are all made at ``fully_shard`` time and cached.
+
+[Note: Process-group caches are per world]
+A cached process group belongs to the world (default process group) it was
+made in. Ranks may be threads of one process (torch's threaded process group,
+as upstream's own tests run), each with a world of its own, and one process may
+destroy its process group and initialize another; in both cases a group from
+another world must never be handed out. So the post-forward groups are cached
+per world object (``dist.group.WORLD``, which is thread-local under the
+threaded group), in a weak dictionary so a destroyed world's groups go with it,
+and every rank creates its own groups. The lock guards the dictionary only,
+never ``new_group``: that is a rendezvous the other ranks' threads must reach.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +119,13 @@ def mesh_info_for(mesh: DeviceMesh) -> FSDPMeshInfo:
     )
 
 
-_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], PostForwardMeshInfo] = {}
+# world (default process group) -> (ranks, size) -> its post-forward group; see
+# [Note: Process-group caches are per world].
+_PostForwardGroups = dict[tuple[tuple[int, ...], int], PostForwardMeshInfo]
+_POST_FORWARD_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _PostForwardGroups] = (
+    weakref.WeakKeyDictionary()
+)
+_POST_FORWARD_GROUPS_LOCK = threading.Lock()
 
 
 def post_forward_mesh_info(mesh_info: FSDPMeshInfo, size: int) -> PostForwardMeshInfo:
@@ -122,11 +141,14 @@ def post_forward_mesh_info(mesh_info: FSDPMeshInfo, size: int) -> PostForwardMes
     start = (mesh_info.shard_mesh_rank // size) * size
     ranks = tuple(row[start : start + size])
     key = (ranks, size)
-    info = _POST_FORWARD_GROUPS.get(key)
+    world = dist.group.WORLD
+    with _POST_FORWARD_GROUPS_LOCK:
+        info = _POST_FORWARD_GROUPS.get(world, {}).get(key)
     if info is None:
         group = dist.new_group(list(ranks), use_local_synchronization=True)
         info = PostForwardMeshInfo(group, size, mesh_info.shard_mesh_rank - start)
-        _POST_FORWARD_GROUPS[key] = info
+        with _POST_FORWARD_GROUPS_LOCK:
+            _POST_FORWARD_GROUPS.setdefault(world, {})[key] = info
     return info
 
 

@@ -54,6 +54,7 @@ from ._torch_compat import (
     local_tensor,
     post_accumulate_grad_hooks,
     set_local_tensor,
+    set_requires_grad,
     strided_shard,
 )
 from .errors import FSDPAssertionError
@@ -436,7 +437,7 @@ class FSDPParam:
         # Follow the sharded parameter: users may freeze or unfreeze it any time.
         requires_grad = self.sharded_param.requires_grad
         if self.unsharded_param.requires_grad != requires_grad:
-            self.unsharded_param.requires_grad_(requires_grad)
+            set_requires_grad(self.unsharded_param, requires_grad)
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the parameter object is kept for reuse."""

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives, staged_collectives
-from ._torch_compat import local_tensor
+from ._torch_compat import local_tensor, outside_functorch
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .errors import FSDPNotImplementedError
 from .flat_shard import FlatShard, FlatShardLayout
@@ -190,6 +190,7 @@ class FSDPParamGroup(GradientReduction):
         """The registered parameters may have been replaced: adopt them when next needed."""
         self._flat.needs_adoption = True
 
+    @outside_functorch
     def adopt_params(self, force: bool = False) -> None:
         """Adopt replaced parameters (if marked, or ``force``); a group partly on meta stays pending."""
         if (force or self._flat.needs_adoption) and self._flat.adopt():
@@ -255,6 +256,7 @@ class FSDPParamGroup(GradientReduction):
     def is_unsharded(self) -> bool:
         return self._is_unsharded
 
+    @outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
         if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
@@ -343,6 +345,7 @@ class FSDPParamGroup(GradientReduction):
             p.to_unsharded()
         self._is_unsharded = True
 
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
         if self._pending_staged is not None:
@@ -362,6 +365,7 @@ class FSDPParamGroup(GradientReduction):
             p.to_unsharded()
         self._is_unsharded = True
 
+    @outside_functorch
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._post_forward_flat = None
@@ -382,6 +386,7 @@ class FSDPParamGroup(GradientReduction):
             p.to_sharded()
         self._is_unsharded = False
 
+    @outside_functorch
     def reshard_to_post_forward(self) -> None:
         """Free the unsharded parameters but keep this rank's share over the smaller group.
 

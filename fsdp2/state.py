@@ -29,12 +29,14 @@ import torch
 import torch.nn as nn
 
 from ._torch_compat import (
+    functorch_active,
     in_backward,
     queue_backward_callback,
     tree_flatten,
     tree_unflatten,
 )
 from .api import MixedPrecisionPolicy
+from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
 from .param_group import FSDPParamGroup, IterContext
@@ -261,6 +263,8 @@ class FSDPState:
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)
+            if functorch_active():  # See [Note: torch.func transforms]
+                output = hook_outputs_in_transform(output, self._pre_backward)
         return output
 
     # ---- backward hooks -------------------------------------------------------
@@ -311,17 +315,33 @@ class FSDPState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on the group's forward inputs; its backward is the post-backward."""
+    """Identity on the group's forward inputs; its backward is the post-backward.
+
+    Written with ``setup_context`` (and a vmap and a forward-mode rule) so that
+    it also runs inside ``torch.func`` transforms; see [Note: torch.func
+    transforms] in func_transforms.py.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(  # type: ignore[override]
+        group: FSDPParamGroup, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.group.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore
+        return tangents
 
 
 def _register_post_backward(
