@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import tree_map_tensors
+from .nested import map_tensors
 
 PreBackward = Callable[[torch.Tensor], None]
 
@@ -81,4 +81,4 @@ def hook_outputs_in_transform(output: Any, pre_backward: PreBackward) -> Any:
             return t
         return _PreBackward.apply(pre_backward, t)
 
-    return tree_map_tensors(hook, output)
+    return map_tensors(hook, output)
