@@ -301,7 +301,9 @@ class FSDPState:
         """After the whole backward: reduce what is left and reset for the next step."""
         ctx = self.root_ctx
         is_last = ctx.is_last_backward
-        for state in reversed(ctx.all_states):
+        # Root first, then the order lazy init found the states in (as upstream):
+        # the order of the reductions of groups autograd did not reach.
+        for state in ctx.all_states:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
                 state.param_group.finish_iteration(is_last)
