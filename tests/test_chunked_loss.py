@@ -13,7 +13,7 @@ Every case trains a reference (one process, no FSDP, the whole batch), the
 implementation under test and upstream's ``fully_shard`` side by side:
 gradients and losses match the reference, and losses, gradients, parameters
 and collectives match upstream's bit for bit (with ``FSDP2_TEST_IMPL=torch``
-the latter compares upstream with itself).
+the latter compares upstream with itself), except where ``Case`` says why not.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def chunked_loss(
     explicit unshard), ``"eager"`` the same per-chunk backwards with none of
     the FSDP toggles, ``"plain"`` chunks of the attached hidden states summed
     into one loss (one backward). ``sync``: gradient sync for this backward
-    (off for gradient-accumulation micro-batches).
+    (off for gradient-accumulation micro-batches). ``reshard_after_forward``:
+    the head's setting to restore after the loop (torchtitan restores True).
     """
     head, n_tokens = model.output, targets.numel()
     hidden = model(tokens, skip_head=True)
@@ -328,8 +329,14 @@ def _cases(world_size: int) -> list[Case]:
         Case(tied=True, mp="all", validate=True, accumulate=True),
         Case(flow="plain", validate=True),
     ]
-    if world_size == 4:  # reshard_after_forward=2: a post-forward group of 2 ranks
-        cases += [
+    if world_size == 4:  # one of each feature, and reshard_after_forward=2 (groups of 2 ranks)
+        cases = [
+            Case(),
+            Case(tied=True, reshard=False, flow="eager"),
+            Case(tied=True, mp="all", checkpoint=True, flow="eager"),
+            Case(mp="all", accumulate=True),
+            Case(tied=True, mp="all", validate=True, accumulate=True),
+            Case(flow="plain", validate=True),
             Case(reshard=2, flow="eager"),
             Case(reshard=2, flow="plain"),
             Case(tied=True, reshard=2, flow="eager"),
