@@ -18,6 +18,28 @@ post-backward      reshard, reduce-scatter, accumulate sharded gradients
 final callback     (queued once per backward on the autograd engine) finish
                    groups whose inputs needed no grad, reset per-step state
                    (the forward order is kept while is_last_backward is off)
+
+[Note: Groups run in parts]
+A group of several modules (``fully_shard([norm, head])``) is in use from the
+pre-forward of the first of its modules to run until every one of them has
+run (``_modules_to_run``); its post-forward runs then. A module of the group
+may also run on its own, outside the root's forward: the chunked-loss pattern,
+where the model's forward stops after ``norm`` and the training loop calls
+``head`` once per chunk of the hidden states, often with a backward per chunk.
+As upstream:
+- the root's post-forward finishes every group the forward left in use
+  (reshard, record the forward order, hook the root's outputs);
+- every module's pre-forward unshards the group (a no-op while it is
+  unsharded), because a backward between two calls may have resharded it;
+- a call that finds the group not in forward starts a new use: its inputs get
+  their own post-backward, so each chunk's backward reduces (or, without
+  gradient sync, holds in the reduce dtype) the gradients of that chunk;
+- a module that already ran in this use only casts its output; the group's
+  post-forward waits for the modules still to run, which for a standalone
+  ``head`` call never come: the group stays unsharded until its
+  post-backward, ``reshard()`` or the next forward's post-forward;
+- the end of backward forgets the modules still to run, so the next step
+  starts a fresh use.
 """
 
 from __future__ import annotations
@@ -39,7 +61,7 @@ from .api import MixedPrecisionPolicy
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
-from .param_group import FSDPParamGroup, IterContext
+from .param_group import FSDPParamGroup, IterContext, TrainingState
 from .shared_params import check_shared_params
 
 logger = logging.getLogger("fsdp2.state")
@@ -220,13 +242,15 @@ class FSDPState:
             args, kwargs = cast = map_tensors(lambda t: t.to(device), (args, kwargs))
         if self.post_optim_event is not None:
             self._wait_post_optim_event()
-        first_in_group = not self._modules_to_run
-        if len(self.modules) > 1:
-            if not first_in_group:
-                return cast
+        # See [Note: Groups run in parts]
+        starts_use = not self._modules_to_run
+        if len(self.modules) > 1 and starts_use:
             self._modules_to_run.update(self.modules)
         if group is not None:
-            group.pre_forward()
+            starts_use = group.training_state != TrainingState.FORWARD
+            group.pre_forward()  # every module: the group may have been resharded since
+        if not starts_use:
+            return cast
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
         if group is not None and torch.is_grad_enabled():
@@ -237,6 +261,8 @@ class FSDPState:
         if in_backward():
             return self._cast_output(output)
         if len(self.modules) > 1:
+            if module not in self._modules_to_run:
+                return self._cast_output(output)  # a module of this use that already ran
             self._modules_to_run.discard(module)
             if self._modules_to_run:
                 # Other modules of this group still have to run.
@@ -286,7 +312,10 @@ class FSDPState:
         """After the whole backward: reduce what is left and reset for the next step."""
         ctx = self.root_ctx
         is_last = ctx.is_last_backward
-        for state in reversed(ctx.all_states):
+        # Root first, then the order lazy init found the states in (as upstream):
+        # the order of the reductions of groups autograd did not reach.
+        for state in ctx.all_states:
+            state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
                 state.param_group.finish_iteration(is_last)
         if is_last:
