@@ -46,31 +46,47 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .api import MixedPrecisionPolicy
+from .api import MixedPrecisionPolicy, UsageError
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"
 
 
 def has_extension(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (a sharded parameter's local tensor) defines the all-gather hooks."""
+    """Whether ``tensor`` (a sharded parameter's local tensor) defines the all-gather hooks.
+
+    Class methods of a subclass and methods set on one plain tensor object
+    (``t.fsdp_pre_all_gather = fn.__get__(t)``) count alike.
+    """
     return hasattr(tensor, _PRE) or hasattr(tensor, _POST)
+
+
+def needs_own_shard(tensor: torch.Tensor) -> bool:
+    """A tensor subclass with the hooks: sharded with its own ops, outside the flat buffer.
+
+    A plain tensor with hooks patched onto it stays a view of the group's
+    flat buffer; only what is gathered changes.
+    """
+    return has_extension(tensor) and type(tensor) not in (torch.Tensor, nn.Parameter)
 
 
 def check_extension(tensor: torch.Tensor, fqn: str) -> None:
     """Fail early, naming the parameter, if the hooks are incomplete or mis-declared."""
     if not (hasattr(tensor, _PRE) and hasattr(tensor, _POST)):
         missing = _POST if hasattr(tensor, _PRE) else _PRE
-        raise ValueError(
-            f"Parameter '{fqn}' ({type(tensor).__name__}) defines only one all-gather "
-            f"extension hook; define {missing} too (both {_PRE} and {_POST} are needed)"
+        raise UsageError(
+            f"Both {_PRE} and {_POST} should be defined if using all-gather extensions: "
+            f"{type(tensor).__name__} of shape {tuple(tensor.shape)}. fsdp2: parameter "
+            f"'{fqn}' defines only one of them; define {missing} too"
         )
-    num_args = len(inspect.signature(getattr(tensor, _PRE)).parameters)
-    if num_args not in (1, 5):
-        raise ValueError(
-            f"Parameter '{fqn}': {type(tensor).__name__}.{_PRE} takes {num_args} arguments; "
-            "expected fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, "
-            "mp_policy)"
+    signature = inspect.signature(getattr(tensor, _PRE))
+    if len(signature.parameters) not in (1, 5):
+        raise UsageError(
+            f"Invalid {_PRE}: {signature}\n"
+            "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, "
+            "outer_size: torch.Size, outer_stride: tuple[int, ...], "
+            "module: nn.Module, mp_policy: MixedPrecisionPolicy). "
+            f"fsdp2: on parameter '{fqn}' ({type(tensor).__name__})"
         )
 
 
@@ -113,11 +129,13 @@ class ExtensionState:
         # Like upstream: a rank holding fewer rows than the padded shard must send
         # inputs of exactly the padded shard's size (so every rank sends as much).
         if local.size() != padded_size and any(t.size() != padded_size for t in inputs):
-            raise ValueError(
-                f"Parameter '{fqn}' is sharded unevenly (local {tuple(local.shape)}, padded "
-                f"{tuple(padded_size)}): {_PRE} must then return inputs of the padded "
-                f"size, got {[tuple(t.shape) for t in inputs]}; pad them, or shard a "
-                "dim 0 that divides evenly by the shard mesh size"
+            raise UsageError(
+                "When a parameter is unevenly sharded by FSDP "
+                f"(orig size={outer_size}, FSDP world size={self.mesh.size()}), "
+                "fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
+                f"size {padded_size} but got {[t.size() for t in inputs]}. fsdp2: parameter "
+                f"'{fqn}'; pad the inputs, or shard a dim 0 that divides evenly by the "
+                "shard mesh size"
             )
         self.input_sizes = [t.size() for t in inputs]
         return [t.reshape(-1) for t in inputs]

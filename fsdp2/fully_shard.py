@@ -10,7 +10,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .api import MixedPrecisionPolicy, OffloadPolicy, resolve_policies
+from .api import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    resolve_dp_mesh_dims,
+    resolve_policies,
+)
 from .mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
@@ -24,6 +30,7 @@ from .mixed_precision import check_trainable_dtypes
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
+from .spmd import SpmdDims, SpmdLayout, resolve_reshard_after_forward, spmd_dims_for, spmd_layout
 from .state import FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -35,6 +42,7 @@ MeshArg = DeviceMesh | None
 ReshardArg = bool | int | None
 PlacementFnArg = Callable[[nn.Parameter], Shard | None] | None
 IgnoredArg = set[nn.Parameter] | None
+DpMeshDimsArg = DataParallelMeshDims | None
 
 
 @overload
@@ -47,6 +55,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredArg = ...,
+    dp_mesh_dims: DpMeshDimsArg = ...,
 ) -> FSDPModule: ...
 
 
@@ -60,6 +69,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredArg = ...,
+    dp_mesh_dims: DpMeshDimsArg = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -72,6 +82,7 @@ def fully_shard(
     mp_policy=MixedPrecisionPolicy(),
     offload_policy=OffloadPolicy(),
     ignored_params=None,
+    dp_mesh_dims=None,
 ):
     """Shard ``module``'s parameters across ``mesh`` (fully sharded data parallel).
 
@@ -114,6 +125,13 @@ def fully_shard(
             (default) keeps them on the device.
         ignored_params: parameters left alone: not sharded, not moved, no
             gradient reduction.
+        dp_mesh_dims: a :class:`DataParallelMeshDims` naming the
+            data-parallel dims of ``mesh``, which is then the full SPMD mesh
+            (e.g. ``(dp, tp)``) and every parameter a DTensor on it,
+            ``Replicate()`` on those dims: FSDP shards over ``shard`` and
+            replicates over ``replicate`` (HSDP; DDP when only ``replicate``
+            is set). Several names per field are flattened into one dim.
+            See [Note: SPMD meshes] in spmd.py.
 
     Returns:
         The same module (or list), now also an instance of :class:`FSDPModule`.
@@ -121,7 +139,13 @@ def fully_shard(
     modules = _validate_modules(module)
     mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = mesh_info_for(mesh)
+    spmd: SpmdDims | None = None
+    if dp_mesh_dims is not None:  # see [Note: SPMD meshes] in spmd.py
+        spmd = spmd_dims_for(mesh, resolve_dp_mesh_dims(dp_mesh_dims))
+        mesh_info = spmd.mesh_info
+        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, spmd)
+    else:
+        mesh_info = mesh_info_for(mesh)
     reshard_after_forward, post_forward = _resolve_reshard_after_forward(
         reshard_after_forward, mesh_info
     )
@@ -131,14 +155,24 @@ def fully_shard(
     shard_dims = {
         p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
     }
-    spmd_meshes = _spmd_meshes(params, mesh)
+    layouts: dict[nn.Parameter, SpmdLayout] = {}
+    if spmd is not None:
+        layouts = {
+            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p]) for p in params
+        }
+        spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
+    else:
+        spmd_meshes = _spmd_meshes(params, mesh)
     # Frozen parameters may differ (see [Note: Mixed-dtype groups] in flat_shard.py).
     check_trainable_dtypes((names[p], p) for p in params)
     _move_buffers(modules, ignored, device)
     group = None
     if params:
         fsdp_params = [
-            FSDPParam(p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p))
+            FSDPParam(
+                p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
+                **_layout_kwargs(layouts.get(p)),
+            )
             for p in params
         ]
         group = FSDPParamGroup(
@@ -304,6 +338,12 @@ def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Par
                 by_tp_mesh[tp_mesh] = spmd_mesh_for(dp_mesh, tp_mesh)
             out[p] = by_tp_mesh[tp_mesh]
     return out
+
+
+def _layout_kwargs(layout: SpmdLayout | None) -> dict[str, Any]:
+    if layout is None:
+        return {}
+    return {"placements": layout.placements, "dp_dims": layout.dp_dims}
 
 
 def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:

@@ -35,6 +35,7 @@ from ._torch_compat import (
     tree_unflatten,
 )
 from .api import MixedPrecisionPolicy
+from .comm_memory import check_max_input_buffers
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup, IterContext
 
@@ -165,6 +166,7 @@ class FSDPState:
         group.adopt_params(force=True)
         group.check_materialized()
         group.check_offloaded()
+        check_max_input_buffers(group)
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""
@@ -176,6 +178,19 @@ class FSDPState:
         state.post_optim_event = None
 
     # ---- control surface (called by FSDPModule) ---------------------------------
+
+    def share_iter_ctx(self, other: FSDPState) -> None:
+        """``share_comm_ctx``: use ``other``'s forward order (backward prefetching) from now on.
+
+        Applies to this state's group, and, for a root or before lazy init, to
+        what lazy init and the end of backward use; other states under an
+        initialized root keep theirs, as upstream.
+        """
+        ctx = other.root_ctx.iter_ctx
+        if self.is_root is not False:
+            self.root_ctx.iter_ctx = ctx
+        if self.param_group is not None:
+            self.param_group.ctx = ctx
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self.root_ctx.is_last_backward = is_last_backward
