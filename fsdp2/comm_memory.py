@@ -61,7 +61,9 @@ class ProcessGroupAllocAllGather(_BuiltinComm):
         super().__init__(group)
         self.active = process_group_allocates(group, device)
 
-    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return _pg_empty(self._group, size, dtype, device)
 
     def __call__(
@@ -78,7 +80,9 @@ class ProcessGroupAllocReduceScatter(_BuiltinComm):
         super().__init__(group)
         self.active = process_group_allocates(group, device)
 
-    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return _pg_empty(self._group, size, dtype, device)
 
     def __call__(
@@ -91,7 +95,9 @@ class ProcessGroupAllocReduceScatter(_BuiltinComm):
 class SymmMemAllGather(_BuiltinComm):
     """All-gather into a symmetric-memory buffer (CUDA), registered with the peers first."""
 
-    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return symm_mem_empty(_numel(size), dtype, device).view(size)
 
     def __call__(
@@ -105,7 +111,9 @@ class SymmMemAllGather(_BuiltinComm):
 class SymmMemReduceScatter(_BuiltinComm):
     """Reduce-scatter between symmetric-memory buffers (CUDA; NCCL sums only)."""
 
-    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return symm_mem_empty(_numel(size), dtype, device).view(size)
 
     def __call__(

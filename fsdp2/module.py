@@ -361,7 +361,9 @@ class FSDPModule:
             group.set_separate_reduce_scatter_group(enable, new_groups)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Allocate this module's collective buffers with the process group's allocator (not recursive).
+        """Allocate this module's collective buffers with the process group's allocator.
+
+        Not recursive.
 
         On NCCL this enables zero-copy and SHARP collectives; backends without
         an allocator (gloo) keep the default, copy-free collectives. Cannot be
@@ -374,7 +376,9 @@ class FSDPModule:
             use_process_group_memory(group, enable)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """All-gather this module's parameters through symmetric memory (CUDA, NCCL; not recursive).
+        """All-gather this module's parameters through symmetric memory (CUDA, NCCL).
+
+        Not recursive.
 
         NCCL can then use its copy-engine (zero-CTA policy) or symmetric-kernel
         all-gather. Where torch lacks the backend (e.g. a CPU-only build) this

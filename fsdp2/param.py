@@ -150,7 +150,7 @@ class FSDPParam:
             self._init_extension(param)
 
     def decide_extension(self) -> bool:
-        """Whether the local shard has the all-gather hooks now; returns whether it sits in the buffer.
+        """Decide whether the local shard has all-gather hooks; returns whether it sits in the buffer.
 
         Runs when the group adopts its parameters (lazy init, and after they
         were replaced): hooks added to the plain local tensor after

@@ -59,7 +59,7 @@ class GradientReduction:
     def zero_unused_grads(
         self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
     ) -> None:
-        """``set_reduce_scatter_unused_params(True)``: zeros for trainable parameters without a gradient.
+        """``set_reduce_scatter_unused_params(True)``: zeros for trainable params with no grad.
 
         Every rank then reduce-scatters the same parameters, whichever ones its
         own backward reached (conditional computation: mixture of experts,

@@ -101,7 +101,9 @@ def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return flatten_mesh(mesh[names], "_".join(names))
 
 
-def _mesh_info(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]) -> FSDPMeshInfo:
+def _mesh_info(
+    mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]
+) -> FSDPMeshInfo:
     if not replicate:  # FSDP
         dp = _submesh(mesh, shard)
         return FSDPMeshInfo(

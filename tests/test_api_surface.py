@@ -93,7 +93,8 @@ def test_functions_and_handle_match_torch():
 
 def test_value_classes_have_torch_fields():
     """MixedPrecisionPolicy, the offload policies and DataParallelMeshDims: same fields and defaults."""
-    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"):
+    classes = ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims")
+    for name in classes:
         ours, theirs = getattr(fsdp2, name), getattr(tfsdp, name)
         fields = [(f.name, repr(f.default)) for f in dataclasses.fields(theirs)]
         assert [(f.name, repr(f.default)) for f in dataclasses.fields(ours)] == fields, name

@@ -65,7 +65,9 @@ class _Cond(nn.Module):
 
 
 def _full_grads(model):
-    return {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {
+        n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()
+    }
 
 
 def _unused_params_case(users):
