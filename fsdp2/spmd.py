@@ -43,6 +43,10 @@ from .api import DataParallelMeshDims
 from .mesh import FSDPMeshInfo
 
 
+class OverlappingDimsError(ValueError, RuntimeError):
+    """A mesh dim named twice in ``dp_mesh_dims`` (upstream: a ``RuntimeError`` from the mesh)."""
+
+
 @dataclass(frozen=True)
 class SpmdDims:
     """The data-parallel dims of one ``fully_shard`` call's SPMD mesh, resolved."""
@@ -79,12 +83,17 @@ def spmd_dims_for(mesh: DeviceMesh, dims: DataParallelMeshDims) -> SpmdDims:
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
-    named = [*shard, *replicate]
-    twice = sorted({n for n in named if named.count(n) > 1})
-    if twice:
-        raise ValueError(
-            f"dp_mesh_dims names the mesh dim(s) {twice} more than once; each data-parallel "
-            "dim is either sharded or replicated, once"
+    for field in (shard, replicate):
+        if len(set(field)) < len(field):
+            raise OverlappingDimsError(
+                f"Slicing overlapping dim_names {field} is not allowed. fsdp2: dp_mesh_dims "
+                "names a mesh dim twice; name each data-parallel dim once"
+            )
+    both = sorted(set(shard) & set(replicate))
+    if both:
+        raise OverlappingDimsError(
+            f"Cannot concatenate overlapping meshes: fsdp2: dp_mesh_dims names {both} as both "
+            "a shard and a replicate dim; each data-parallel dim is either sharded or replicated"
         )
     return SpmdDims(
         mesh=mesh,

@@ -184,6 +184,12 @@ def _errors(rank, world_size):
     _raises(ValueError, "Mesh dim name 'nope' not found in mesh.mesh_dim_names",
             lambda: fully_shard(distributed(), mesh=mesh,
                                 dp_mesh_dims=DataParallelMeshDims(shard="nope")))
+    _raises(RuntimeError, "Slicing overlapping dim_names ('dp', 'dp') is not allowed",
+            lambda: fully_shard(distributed(), mesh=mesh,
+                                dp_mesh_dims=DataParallelMeshDims(shard=("dp", "dp"))))
+    _raises(RuntimeError, "Cannot concatenate overlapping meshes",
+            lambda: fully_shard(distributed(), mesh=mesh,
+                                dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="dp")))
     _raises(ValueError, "When dp_mesh_dims is provided, all parameters must be DTensors",
             lambda: fully_shard(plain, mesh=mesh, dp_mesh_dims=dims))
     # Two equal meshes, the parameters on the first. (DTensor's op caches hand
@@ -245,7 +251,7 @@ def test_multi_dim_layouts_match_upstream_and_reference(name):
 
 
 def test_bad_dp_mesh_dims_raise_upstreams_errors():
-    """Unnamed mesh, unknown dim, plain params, another mesh, a sharded dp dim, int reshard."""
+    """Unnamed mesh, unknown or repeated dim, plain params, another mesh, a sharded dp dim, int reshard."""
     check_case(_two(), "errors")
 
 
