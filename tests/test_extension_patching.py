@@ -206,6 +206,25 @@ def _replaced_after_lazy_init(rank, world_size):
     model[0].unshard()
     assert torch.equal(model[0].weight, ref[0].weight.detach() + 1)
     model[0].reshard()
+    # a subclass weight (its own shard, outside the flat buffer) replaced by a
+    # plain one: the group lays its buffer out again, with the weight inside
+    from fsdp2.state import state_of
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model[0].weight = nn.Parameter(_HiLoWeight(model[0].weight.detach()))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(x).sum().backward()
+    group = state_of(model[0]).param_group
+    assert [p.in_flat for p in group.fsdp_params] == [False, True]
+    plain = {k: distribute_tensor(_plain(v.full_tensor()) * 2, mesh, v.placements)
+             for k, v in model[0].state_dict().items()}
+    model[0].load_state_dict(plain, assign=True)
+    model(x).sum().backward()
+    assert [p.in_flat for p in group.fsdp_params] == [True, True]
+    assert group.fsdp_params[0].extension is None
+    assert torch.equal(model[0].weight.full_tensor(), _plain(plain["weight"].full_tensor()))
 
 
 HOWS = ("after_fully_shard", "fsdp_to_empty", "module_to_empty")
