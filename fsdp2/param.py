@@ -499,10 +499,12 @@ class FSDPParam:
         # TP may leave e.g. a Partial gradient; reduce it over TP first. Under
         # dp_mesh_dims the data-parallel dims are left as they are: FSDP's own
         # reduction handles them (a Partial there is reduced once, not twice).
-        target = tuple(
-            mine if i in self.dp_dims else spec
-            for i, (mine, spec) in enumerate(zip(grad.placements, self.tp_spec[1]))
-        )
+        target = self.tp_spec[1]
+        if self.dp_dims:
+            target = tuple(
+                mine if i in self.dp_dims else spec
+                for i, (mine, spec) in enumerate(zip(grad.placements, target, strict=True))
+            )
         if tuple(grad.placements) != target:
             grad = grad.redistribute(placements=target)
         return local_tensor(grad)
