@@ -4,11 +4,11 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
@@ -16,12 +16,14 @@ from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_di
 __all__ = [
     # torch.distributed.fsdp's public API, same names and signatures
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     # fsdp2's own tools
     "FSDPAssertionError",
     "FSDPNotImplementedError",

@@ -295,3 +295,72 @@ def premul_sum_op(scale: float) -> Any:
     import torch.distributed as dist
 
     return dist._make_nccl_premul_sum(scale)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D mesh over all of ``mesh``'s dims (one process group per flattened row).
+
+    Creating it is collective over the ranks of the root mesh, like any mesh
+    slicing that makes groups. Wraps ``DeviceMesh._flatten`` (torch 2.6 - 2.13).
+    """
+    return mesh._flatten(name)
+
+
+def process_group_allocates(group: Any, device: torch.device) -> bool:
+    """Whether ``group``'s backend allocates communication buffers on ``device`` itself.
+
+    NCCL does (``ncclMemAlloc``: zero-copy and SHARP-capable buffers); gloo
+    does not. Wraps ``ProcessGroup._get_backend`` (torch 2.6 - 2.13) and
+    ``Backend.supports_tensor_alloc`` (torch 2.8 - 2.13; older: ``False``).
+    """
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # no backend for this device type
+        return False
+    supports = getattr(backend, "supports_tensor_alloc", None)
+    return bool(supports is not None and supports(device))
+
+
+def process_group_allocate(
+    group: Any, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A flat tensor allocated by ``group``'s backend (see ``process_group_allocates``).
+
+    Wraps ``ProcessGroup._get_backend`` and ``Backend.allocate_tensor``
+    (torch 2.8 - 2.13).
+    """
+    return group._get_backend(device).allocate_tensor(numel, dtype=dtype, device=device)
+
+
+def set_symm_mem_backend(backend: str) -> None:
+    """Select the symmetric-memory allocation backend (e.g. ``"NCCL"``).
+
+    Raises ``RuntimeError`` ("SymmetricMemory does not find allocation backend
+    ...") where torch was built without it, e.g. every CPU-only build.
+    Wraps ``torch.distributed._symmetric_memory.set_backend`` (torch 2.9 - 2.13).
+    """
+    from torch.distributed import _symmetric_memory
+
+    _symmetric_memory.set_backend(backend)
+
+
+def symm_mem_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat tensor in symmetric memory, from torch's per-device symmetric pool (CUDA).
+
+    Wraps ``torch.distributed._symmetric_memory.get_mem_pool`` and
+    ``torch.cuda.use_mem_pool`` (torch 2.9 - 2.13).
+    """
+    from torch.distributed import _symmetric_memory
+
+    with torch.cuda.use_mem_pool(_symmetric_memory.get_mem_pool(device)):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def symm_mem_rendezvous(tensor: torch.Tensor, group: Any) -> None:
+    """Exchange ``tensor``'s symmetric-memory handles over ``group`` (collective).
+
+    Wraps ``torch.distributed._symmetric_memory.rendezvous`` (torch 2.9 - 2.13).
+    """
+    from torch.distributed import _symmetric_memory
+
+    _symmetric_memory.rendezvous(tensor, group=group.group_name)

@@ -1,4 +1,4 @@
-"""User-facing policies: mixed precision and offloading."""
+"""User-facing values: mixed precision and offload policies, data-parallel mesh dims."""
 
 from __future__ import annotations
 
@@ -63,6 +63,54 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+@dataclass
+class DataParallelMeshDims:
+    """Which dims of a full SPMD mesh are data parallel, for ``fully_shard(dp_mesh_dims=...)``.
+
+    With ``dp_mesh_dims`` the ``mesh`` given to ``fully_shard`` is the whole
+    SPMD mesh (data-parallel and e.g. tensor-parallel dims), and every
+    parameter is already a ``DTensor`` on it, ``Replicate()`` on the dims named
+    here. See [Note: SPMD meshes] in ``spmd.py``.
+
+    Attributes:
+        shard: the dim name(s) FSDP shards parameters over; several names are
+            flattened into one shard dim. ``None``: no sharding (replicate only,
+            like DDP).
+        replicate: the dim name(s) parameters stay replicated over (HSDP, or
+            DDP when ``shard`` is ``None``); several names are flattened.
+            At least one of ``shard`` and ``replicate`` must be set.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims; "
+                "e.g. DataParallelMeshDims(shard='dp') or "
+                "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """The shard dim names as a tuple (empty when ``shard`` is ``None``)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """The replicate dim names as a tuple (empty when ``replicate`` is ``None``)."""
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
 def _from_upstream(policy: object) -> object:
     """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
     from .patch import unpatched  # torch's classes even under patch_torch()
@@ -78,7 +126,21 @@ def _from_upstream(policy: object) -> object:
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
     if isinstance(policy, unpatched("OffloadPolicy")):
         return OffloadPolicy()
+    if isinstance(policy, unpatched("DataParallelMeshDims")):
+        return DataParallelMeshDims(shard=policy.shard, replicate=policy.replicate)
     return policy
+
+
+def resolve_dp_mesh_dims(dims: object) -> DataParallelMeshDims:
+    """``dp_mesh_dims`` as ours (upstream's class is accepted too), checked for its type."""
+    if not isinstance(dims, DataParallelMeshDims):
+        dims = _from_upstream(dims)
+    if not isinstance(dims, DataParallelMeshDims):
+        raise ValueError(
+            f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims or None, got {dims!r}; "
+            "e.g. dp_mesh_dims=DataParallelMeshDims(shard='dp')"
+        )
+    return dims
 
 
 def resolve_policies(

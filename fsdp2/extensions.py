@@ -1,7 +1,7 @@
-"""All-gather extensions: tensor subclasses that decide what FSDP all-gathers.
+"""All-gather extensions: local shards whose own hooks decide what FSDP all-gathers.
 
 [Note: All-gather extensions]
-A sharded parameter's local tensor may be a tensor subclass defining
+A sharded parameter's local tensor may define
 
     fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
         -> (all_gather_inputs: tuple[Tensor, ...], metadata)
@@ -9,6 +9,23 @@ A sharded parameter's local tensor may be a tensor subclass defining
         -> (unsharded_tensor, inner_tensors) | None
 
 (``fsdp_pre_all_gather(mesh)`` alone is accepted too, as upstream does.)
+Whether a parameter has them is decided per parameter on its sharded local
+tensor when the group adopts its parameters, i.e. at lazy init (also an
+explicit ``unshard()`` before the first forward) and after they were
+replaced, as upstream decides at lazy init. Two kinds qualify: a tensor
+subclass defining the hooks (sharded with its own ops at ``fully_shard``,
+below), and a plain local tensor object the hooks were bound onto after
+``fully_shard`` or after ``to_empty()`` (``local.fsdp_pre_all_gather =
+fn.__get__(local)``, upstream's own test pattern; hooks on the original
+parameter before ``fully_shard`` are ignored, as upstream, since sharding
+makes new tensors). A plain tensor with hooks stays a view of the group's
+flat buffer; when adoption moves the buffer (after ``nn.Module.to_empty``,
+``.to()``), the hooked object keeps its identity and only its storage moves
+(``Tensor.set_``), so the bound methods keep seeing the live shard. A
+parameter whose local tensor was replaced by one without hooks loses its
+extension. Hooks bound after the first forward take effect only once the
+parameters are next replaced (upstream fails there). The hooks receive the
+1-D shard mesh, also on an HSDP mesh.
 Before each all-gather the pre hook turns this rank's shard into the tensors
 to send, e.g. int8 data plus per-row scales instead of fp32. On a rank whose
 shard is shorter than the padded shard (dim 0 not divisible by ``W``), every
@@ -32,9 +49,10 @@ group's ``MixedPrecisionPolicy`` and ``param_dtype`` (``None`` when it equals
 the parameter's dtype or that is not floating point: then the parameter's
 dtype), and the post hook runs in the caller's grad mode (enabled in forward),
 so a hook writing ``out=`` a parameter that requires grad must do so under
-``no_grad`` or through ``.data``. Such parameters live outside the group's flat buffer (see
+``no_grad`` or through ``.data``. Subclass parameters live outside the group's flat buffer (see
 [Note: Sharded parameter storage] in param.py), so a group with one needs a
-copy-in (see [Note: Staged all-gather] in staged_collectives.py).
+copy-in (see [Note: Staged all-gather] in staged_collectives.py); so does a
+group with a hooked plain tensor, whose slot in the buffer is then not read.
 """
 
 from __future__ import annotations
@@ -54,8 +72,21 @@ _POST = "fsdp_post_all_gather"
 
 
 def has_extension(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (a sharded parameter's local tensor) defines the all-gather hooks."""
+    """Whether ``tensor`` (a sharded parameter's local tensor) defines the all-gather hooks.
+
+    Class methods of a subclass and methods set on one plain tensor object
+    (``t.fsdp_pre_all_gather = fn.__get__(t)``) count alike.
+    """
     return hasattr(tensor, _PRE) or hasattr(tensor, _POST)
+
+
+def needs_own_shard(tensor: torch.Tensor) -> bool:
+    """A tensor subclass with the hooks: sharded with its own ops, outside the flat buffer.
+
+    A plain tensor with hooks patched onto it stays a view of the group's
+    flat buffer; only what is gathered changes.
+    """
+    return has_extension(tensor) and type(tensor) not in (torch.Tensor, nn.Parameter)
 
 
 def check_extension(tensor: torch.Tensor, fqn: str) -> None:

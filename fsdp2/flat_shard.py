@@ -135,8 +135,13 @@ class FlatShard:
         if 0 < num_meta < len(locals_):
             self.needs_adoption = True
             return False
+        # See [Note: All-gather extensions]: decided per parameter, here.
+        in_flat = [p.decide_extension() for p in self.fsdp_params]
+        moved = in_flat != [p.in_flat for p in self.fsdp_params]
+        for p, flat in zip(self.fsdp_params, in_flat):
+            p.in_flat = flat
         dtypes = [t.dtype for t in locals_]
-        if self.buffer.device != locals_[0].device or dtypes != self.layout.dtypes:
+        if self.buffer.device != locals_[0].device or dtypes != self.layout.dtypes or moved:
             self.layout = FlatShardLayout(self.fsdp_params, dtypes)
             self.buffer = self._new_buffer(locals_[0].device, empty=True)
             self._zero_padding()
@@ -152,7 +157,10 @@ class FlatShard:
         general path: extensions, or gradients that ``_apply`` must move).
         """
         params = self.fsdp_params
-        if any(p.extension is not None or p.sharded_param.grad is not None for p in params):
+        if any(
+            p.extension is not None or not p.in_flat or p.sharded_param.grad is not None
+            for p in params
+        ):
             return set()
         for p in params:
             p.adopt_registered()
@@ -169,7 +177,7 @@ class FlatShard:
     def _zero_padding(self) -> None:
         # Padding rows are gathered but never read; zeros keep them deterministic.
         for i, p in enumerate(self.fsdp_params):
-            if p.extension is None and p.local_rows < p.shard_rows:
+            if p.in_flat and p.local_rows < p.shard_rows:
                 self.slot(i)[p.local_rows * p.row_numel :].zero_()
 
     def names_on_meta(self) -> list[str]:

@@ -11,7 +11,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ._torch_compat import composable_apis, mark_composable_api
-from .api import MixedPrecisionPolicy, OffloadPolicy, resolve_policies
+from .api import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    resolve_dp_mesh_dims,
+    resolve_policies,
+)
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .mesh import (
     FSDPMeshInfo,
@@ -25,6 +31,7 @@ from .mesh import (
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
+from .spmd import SpmdDims, SpmdLayout, resolve_reshard_after_forward, spmd_dims_for, spmd_layout
 from .state import FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -36,6 +43,7 @@ MeshArg = DeviceMesh | None
 ReshardArg = bool | int | None
 PlacementFnArg = Callable[[nn.Parameter], Shard | None] | None
 IgnoredArg = set[nn.Parameter] | None
+DpMeshDimsArg = DataParallelMeshDims | None
 
 
 @overload
@@ -48,6 +56,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredArg = ...,
+    dp_mesh_dims: DpMeshDimsArg = ...,
 ) -> FSDPModule: ...
 
 
@@ -61,6 +70,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredArg = ...,
+    dp_mesh_dims: DpMeshDimsArg = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -73,6 +83,7 @@ def fully_shard(
     mp_policy=MixedPrecisionPolicy(),
     offload_policy=OffloadPolicy(),
     ignored_params=None,
+    dp_mesh_dims=None,
 ):
     """Shard ``module``'s parameters across ``mesh`` (fully sharded data parallel).
 
@@ -115,6 +126,13 @@ def fully_shard(
             (default) keeps them on the device.
         ignored_params: parameters left alone: not sharded, not moved, no
             gradient reduction.
+        dp_mesh_dims: a :class:`DataParallelMeshDims` naming the
+            data-parallel dims of ``mesh``, which is then the full SPMD mesh
+            (e.g. ``(dp, tp)``) and every parameter a DTensor on it,
+            ``Replicate()`` on those dims: FSDP shards over ``shard`` and
+            replicates over ``replicate`` (HSDP; DDP when only ``replicate``
+            is set). Several names per field are flattened into one dim.
+            See [Note: SPMD meshes] in spmd.py.
 
     Returns:
         The same module (or list), now also an instance of :class:`FSDPModule`.
@@ -122,7 +140,13 @@ def fully_shard(
     modules = _validate_modules(module)
     mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = mesh_info_for(mesh)
+    spmd: SpmdDims | None = None
+    if dp_mesh_dims is not None:  # see [Note: SPMD meshes] in spmd.py
+        spmd = spmd_dims_for(mesh, resolve_dp_mesh_dims(dp_mesh_dims))
+        mesh_info = spmd.mesh_info
+        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, spmd)
+    else:
+        mesh_info = mesh_info_for(mesh)
     reshard_after_forward, post_forward = _resolve_reshard_after_forward(
         reshard_after_forward, mesh_info
     )
@@ -132,12 +156,22 @@ def fully_shard(
     shard_dims = {
         p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
     }
-    spmd_meshes = _spmd_meshes(params, mesh)
+    layouts: dict[nn.Parameter, SpmdLayout] = {}
+    if spmd is not None:
+        layouts = {
+            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p]) for p in params
+        }
+        spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
+    else:
+        spmd_meshes = _spmd_meshes(params, mesh)
     _move_buffers(modules, ignored, device)
     group = None
     if params:
         fsdp_params = [
-            FSDPParam(p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p))
+            FSDPParam(
+                p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
+                **_layout_kwargs(layouts.get(p)),
+            )
             for p in params
         ]
         group = FSDPParamGroup(
@@ -330,6 +364,12 @@ def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Par
                 by_tp_mesh[tp_mesh] = spmd_mesh_for(dp_mesh, tp_mesh)
             out[p] = by_tp_mesh[tp_mesh]
     return out
+
+
+def _layout_kwargs(layout: SpmdLayout | None) -> dict[str, Any]:
+    if layout is None:
+        return {}
+    return {"placements": layout.placements, "dp_dims": layout.dp_dims}
 
 
 def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:

@@ -13,16 +13,17 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
+from .comm_memory import use_process_group_memory, use_symm_mem
 from .param_group import FSDPParamGroup
 from .staged_collectives import AllGather, ReduceScatter, check_comm
 from .state import FSDPState, state_of
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class UnshardHandle:
@@ -99,7 +100,7 @@ class FSDPModule:
         group = state.param_group
         if group is not None:
             if state.is_root is None:  # before the first forward's lazy init
-                group.adopt_params()
+                group.adopt_params(force=True)  # also decides all-gather extensions
                 group.check_materialized()
                 group.check_dtypes()
             group.unshard(async_op=async_op)
@@ -310,6 +311,96 @@ class FSDPModule:
             if stream is not None:  # as upstream: a later call without a stream keeps it
                 group.all_reduce_hook_stream = stream
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for trainable parameters that got no gradient in this backward.
+
+        Needed when ranks use different parameters (conditional computation:
+        mixture of experts, multi-modal branches): every rank then
+        reduce-scatters the same parameters, so the collectives match. Like
+        DDP's ``find_unused_parameters``. A parameter unused on every rank
+        gets a zero gradient instead of none.
+        """
+        _check_bool(
+            reduce_scatter_unused_params,
+            "set_reduce_scatter_unused_params",
+            "reduce_scatter_unused_params",
+        )
+        _check_bool(recurse, "set_reduce_scatter_unused_params", "recurse")
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatter input buffers may be in flight at once (``>= 1``, default 1).
+
+        Upstream reduce-scatters on a stream of its own and recycles one input
+        buffer, so an exposed reduce-scatter can stall the next copy-in; more
+        buffers trade memory for that stall. fsdp2 reduce-scatters on the
+        current stream and frees each input buffer as soon as its collective
+        is queued, so no copy-in ever waits for a buffer: the value is checked
+        and kept (and refused above 1 with the symmetric-memory reduce-scatter,
+        as upstream), and changes nothing else.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        _check_bool(recurse, "set_reduce_scatter_max_input_buffers", "recurse")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatter gradients over a process group of its own (``False``: the shard group).
+
+        The new group has the same ranks as the shard group; one is made per
+        set of ranks and call (creating it is collective over those ranks:
+        call this on every rank alike). On NCCL, where one communicator runs
+        one collective at a time, backward's reduce-scatters can then overlap
+        its all-gathers; results are the same either way.
+        """
+        _check_bool(enable, "set_separate_reduce_scatter_group", "enable")
+        _check_bool(recurse, "set_separate_reduce_scatter_group", "recurse")
+        new_groups: dict = {}
+        for group in self._groups(recurse):
+            group.set_separate_reduce_scatter_group(enable, new_groups)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate this module's collective buffers with the process group's allocator.
+
+        Not recursive.
+
+        On NCCL this enables zero-copy and SHARP collectives; backends without
+        an allocator (gloo) keep the default, copy-free collectives. Cannot be
+        combined with :meth:`set_custom_all_gather` / :meth:`set_custom_reduce_scatter`.
+        See [Note: Communication memory] in comm_memory.py.
+        """
+        _check_bool(enable, "set_allocate_memory_from_process_group_for_comm", "enable")
+        group = self._fsdp_state().param_group
+        if group is not None:
+            use_process_group_memory(group, enable)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """All-gather this module's parameters through symmetric memory (CUDA, NCCL).
+
+        Not recursive.
+
+        NCCL can then use its copy-engine (zero-CTA policy) or symmetric-kernel
+        all-gather. Where torch lacks the backend (e.g. a CPU-only build) this
+        raises upstream's ``RuntimeError``; on a non-CUDA mesh it changes
+        nothing. Cannot be combined with custom comms.
+        See [Note: Communication memory] in comm_memory.py.
+        """
+        group = self._fsdp_state().param_group
+        if group is not None:
+            use_symm_mem(group, backend)
+
     # ---- nn.Module integration ------------------------------------------------------
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
@@ -402,6 +493,27 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(self, args, output)
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several FSDP roots (e.g. pipeline stages' model chunks) share one communication context.
+
+    Upstream shares its CUDA streams (all-gather, reduce-scatter, all-reduce)
+    and the forward order that drives backward prefetching. fsdp2 runs every
+    collective on the current stream, so there are no streams to share; the
+    forward order is shared, so backward prefetching follows the order the
+    chunks ran in, as upstream. Call it on the chunks' roots; a module's root
+    lazy init otherwise gives it the root's context.
+    """
+    modules = list(modules)
+    if len(modules) == 0:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    states = [module._fsdp_state() for module in modules]
+    for state in states[1:]:
+        state.share_iter_ctx(states[0])
 
 
 def _check_bool(value: Any, method: str, name: str) -> None:

@@ -58,7 +58,7 @@ from ._torch_compat import (
     strided_shard,
 )
 from .errors import FSDPAssertionError
-from .extensions import ExtensionState, check_extension, has_extension
+from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .mesh import FSDPMeshInfo
 
 _MODULE_SETATTR = nn.Module.__setattr__
@@ -114,6 +114,8 @@ class FSDPParam:
         fqn: str,
         shard_dim: int = 0,
         spmd_mesh: DeviceMesh | None = None,
+        placements: tuple[Placement, ...] | None = None,
+        dp_dims: frozenset[int] = frozenset(),
     ) -> None:
         self.module_infos = module_infos
         self.orig_uid = original_uid(param)
@@ -156,11 +158,41 @@ class FSDPParam:
         self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
-        self._placements = self._sharded_placements()
-        # See [Note: All-gather extensions] in extensions.py.
+        # dp_mesh_dims: the layout spmd.py chose, and which of the parameter's mesh
+        # dims are data parallel (their gradient placements are FSDP's to reduce).
+        self._placements = placements if placements is not None else self._sharded_placements()
+        self.dp_dims = dp_dims
+        # See [Note: All-gather extensions] in extensions.py. A subclass with the
+        # hooks gets its own padded shard; any other parameter sits in the group's
+        # flat buffer, and whether its local tensor has hooks is decided later.
         self.extension: ExtensionState | None = None
-        if has_extension(param):
+        self.in_flat = not needs_own_shard(param)
+        if not self.in_flat:
             self._init_extension(param)
+
+    def decide_extension(self) -> bool:
+        """Decide whether the local shard has all-gather hooks; returns whether it sits in the buffer.
+
+        Runs when the group adopts its parameters (lazy init, and after they
+        were replaced): hooks added to the plain local tensor after
+        ``fully_shard`` or ``to_empty()`` take effect here, and an extension
+        whose local tensor was replaced by one without hooks is dropped.
+        """
+        local = local_tensor(self.sharded_param)
+        if has_extension(local):
+            if self.extension is None:
+                self._init_extension(local)
+                self._forget_unsharded()  # the first post hook builds the unsharded tensor
+        elif self.extension is not None:
+            self.extension = None
+            self._forget_unsharded()
+        return not needs_own_shard(local)
+
+    def _forget_unsharded(self) -> None:
+        self.unsharded_param = None
+        self.padded_full = None
+        self._unsharded_data = None
+        self._aliased = None
 
     def _init_extension(self, param: torch.Tensor) -> None:
         check_extension(param, self.fqn)
@@ -177,7 +209,7 @@ class FSDPParam:
     @property
     def flat_numel(self) -> int:
         """Elements this parameter occupies in its group's flat buffer (0: outside it)."""
-        return 0 if self.extension is not None else self.padded_shard_numel
+        return self.padded_shard_numel if self.in_flat else 0
 
     def _sharded_placements(self) -> tuple[Placement, ...]:
         fsdp: Placement = Shard(self.shard_dim)
@@ -214,11 +246,11 @@ class FSDPParam:
         """
         if isinstance(source, DTensor):
             source = source.to_local()
-        if self.extension is not None:
+        if not self.in_flat:
             local = self._extension_shard(source)
         else:
             local = self.slot_view(slot)
-        if not local.is_meta and self.local_rows > 0 and self.extension is None:
+        if not local.is_meta and self.local_rows > 0 and self.in_flat:
             local.copy_(self.local_rows_of(source.detach()))
         dtensor = DTensor.from_local(
             local,
@@ -265,7 +297,7 @@ class FSDPParam:
         Needed after ``nn.Module._apply`` (``to_empty``, ``.to``) or
         ``load_state_dict(assign=True)`` replaced the local tensor.
         """
-        if self.extension is not None:
+        if not self.in_flat:
             return  # outside the flat buffer: its own padded shard
         local = local_tensor(self.sharded_param)
         view = self.slot_view(slot)
@@ -273,7 +305,13 @@ class FSDPParam:
             return
         if not view.is_meta and self.local_rows > 0:
             view.copy_(local)
-        set_local_tensor(self.sharded_param, view)
+        if self.extension is not None and not view.is_meta:
+            # The hooks live on this very tensor object (e.g. patched onto it
+            # after to_empty): keep the object and move its storage instead.
+            with torch.no_grad():
+                local.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+        else:
+            set_local_tensor(self.sharded_param, view)
         self.dtype = view.dtype
 
     def place_sharded(self, slot: torch.Tensor) -> None:
@@ -487,10 +525,25 @@ class FSDPParam:
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         if self.tp_spec is None:
             return grad
-        # TP may leave e.g. a Partial gradient; reduce it over TP first.
-        if tuple(grad.placements) != self.tp_spec[1]:
-            grad = grad.redistribute(placements=self.tp_spec[1])
+        # TP may leave e.g. a Partial gradient; reduce it over TP first. Under
+        # dp_mesh_dims the data-parallel dims are left as they are: FSDP's own
+        # reduction handles them (a Partial there is reduced once, not twice).
+        target = self.tp_spec[1]
+        if self.dp_dims:
+            target = tuple(
+                mine if i in self.dp_dims else spec
+                for i, (mine, spec) in enumerate(zip(grad.placements, target, strict=True))
+            )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return local_tensor(grad)
+
+    def zero_unsharded_grad(self) -> torch.Tensor | None:
+        """A zero gradient in the unsharded parameter's layout, if it is trainable and gathered."""
+        param = self.unsharded_param
+        if param is None or not self.sharded_param.requires_grad:
+            return None
+        return self._local_grad(torch.zeros_like(param))
 
     def hold_grad_in(self, dtype: torch.dtype) -> None:
         """Move the unsharded gradient aside, accumulated in ``dtype`` (no-sync micro-batches)."""

@@ -52,6 +52,7 @@ import torch.nn as nn
 from . import collectives, staged_collectives
 from ._torch_compat import local_tensor, outside_functorch
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .comm_memory import effective
 from .errors import FSDPNotImplementedError
 from .flat_shard import FlatShard, FlatShardLayout
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
@@ -120,10 +121,10 @@ class FSDPParamGroup(GradientReduction):
         self._pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         self._pending_staged: staged_collectives.StagedAllGather | None = None
         self._is_unsharded = False
-        # Set by FSDPModule.set_custom_all_gather / set_custom_reduce_scatter.
+        # Set by FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, or to a
+        # built-in comm (see [Note: Communication memory] in comm_memory.py).
         self.all_gather_comm: staged_collectives.AllGather | None = None
         self.reduce_scatter_comm: staged_collectives.ReduceScatter | None = None
-        self._has_extensions = any(p.extension is not None for p in fsdp_params)
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
             raise FSDPNotImplementedError(
@@ -131,13 +132,12 @@ class FSDPParamGroup(GradientReduction):
                 "reshard_after_forward=<int> with tensor-parallel (DTensor) parameters "
                 f"({', '.join(tp_names)}); pass True or False"
             )
-        if self._has_extensions and post_forward_mesh_info is not None:
-            # Upstream raises a bare NotImplementedError at the backward all-gather.
-            raise FSDPNotImplementedError(
-                "reshard_after_forward=<int> is not supported with all-gather extensions "
-                f"({', '.join(p.fqn for p in fsdp_params if p.extension is not None)}); "
-                "pass True or False"
-            )
+        # FSDPModule.set_reduce_scatter_unused_params / _max_input_buffers /
+        # set_separate_reduce_scatter_group (see reduction.py).
+        self.reduce_scatter_unused_params = False
+        self.reduce_scatter_max_input_buffers = 1
+        self.reduce_scatter_process_group: dist.ProcessGroup | None = None
+        self._has_extensions = False  # decided per parameter (see _check_extensions)
         # See [Note: CPU offload]
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -160,6 +160,7 @@ class FSDPParamGroup(GradientReduction):
         dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
         See [Note: Mixed precision cast points] in mixed_precision.py.
         """
+        self._check_extensions()
         layout = self._layout
         # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
@@ -176,6 +177,17 @@ class FSDPParamGroup(GradientReduction):
         self._copy_in = (self.offload and self.device.type != "cpu") or any(
             p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0
         )
+
+    def _check_extensions(self) -> None:
+        """Which parameters gather through all-gather extensions (decided when adopted)."""
+        with_ext = [p.fqn for p in self.fsdp_params if p.extension is not None]
+        self._has_extensions = bool(with_ext)
+        if with_ext and self.post_forward_mesh_info is not None:
+            # Upstream raises a bare NotImplementedError at the backward all-gather.
+            raise FSDPNotImplementedError(
+                "reshard_after_forward=<int> is not supported with all-gather extensions "
+                f"({', '.join(with_ext)}); pass True or False"
+            )
 
     def _slot(self, index: int) -> torch.Tensor:
         return self._flat.slot(index)
@@ -268,7 +280,7 @@ class FSDPParamGroup(GradientReduction):
         layout = self._layout
         if (
             self._has_extensions
-            or (self.all_gather_comm is not None and world_size > 1)
+            or (effective(self.all_gather_comm) is not None and world_size > 1)
             or (layout.mixed and self._copy_in and self._post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
@@ -326,7 +338,7 @@ class FSDPParamGroup(GradientReduction):
             self.mesh_info.shard_process_group,
             self.mesh_info.shard_mesh_rank,
             self.mesh_info.shard_mesh_size,
-            self.all_gather_comm,
+            effective(self.all_gather_comm),
             async_op,
         )
         if not async_op:
@@ -470,13 +482,11 @@ class FSDPParamGroup(GradientReduction):
             if self.reshard_after_backward:
                 self.reshard()
             return
-        with_grad: list[FSDPParam] = []
-        grads: list[torch.Tensor] = []
-        for p in self.fsdp_params:
-            grad = p.take_unsharded_grad()
-            if grad is not None:
-                with_grad.append(p)
-                grads.append(grad)
+        taken = [p.take_unsharded_grad() for p in self.fsdp_params]
+        if self.reduce_scatter_unused_params:
+            self.zero_unused_grads(self.fsdp_params, taken)
+        with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
+        grads = [grad for grad in taken if grad is not None]
         if self.reshard_after_backward:
             self.reshard()
         if self._layout.mixed:  # requires_grad may have changed since lazy init

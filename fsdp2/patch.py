@@ -30,6 +30,8 @@ PATCHED_NAMES: tuple[str, ...] = (
     "CPUOffloadPolicy",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
 )
 
 #: The modules user code imports those names from. ``torch.distributed.fsdp``
@@ -151,18 +153,19 @@ def patch_torch() -> TorchPatch:
     """Make torch's FSDP2 names refer to fsdp2's, until the returned handle is undone.
 
     Rebinds ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
-    ``OffloadPolicy``, ``CPUOffloadPolicy``, ``UnshardHandle`` and
-    ``register_fsdp_forward_method`` in ``torch.distributed.fsdp``, in the
-    legacy ``torch.distributed._composable.fsdp`` and in its ``fully_shard``
-    submodule (there only the four names it binds), to fsdp2's objects.
-    Upstream names fsdp2 does not provide (``share_comm_ctx``,
-    ``DataParallelMeshDims``, FSDP1's classes) keep torch's objects.
+    ``OffloadPolicy``, ``CPUOffloadPolicy``, ``UnshardHandle``,
+    ``register_fsdp_forward_method``, ``DataParallelMeshDims`` and
+    ``share_comm_ctx`` in ``torch.distributed.fsdp``, in the legacy
+    ``torch.distributed._composable.fsdp`` and in its ``fully_shard``
+    submodule (in each, only the names it binds), to fsdp2's objects.
+    FSDP1's classes keep torch's objects.
 
     While patched, ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds
     for modules sharded by fsdp2 (the name is fsdp2's class), as code like
     accelerate and torch's pipelining expects; it does not hold for modules
-    sharded by upstream's ``fully_shard``. Upstream's policy objects created
-    before the patch are still accepted by fsdp2's ``fully_shard``.
+    sharded by upstream's ``fully_shard``. Upstream's policy and
+    ``DataParallelMeshDims`` objects created before the patch are still
+    accepted by fsdp2's ``fully_shard``.
 
     **Import order.** Call it before importing any library that binds the
     names at import time (``from torch.distributed.fsdp import fully_shard`` at

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .comm_memory import effective
 from .errors import FSDPAssertionError
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
@@ -29,10 +30,51 @@ class GradientReduction:
         self._force_sum_reduction = enable
         self._reduce_plan = None
 
+    @property
+    def reduce_scatter_group(self) -> dist.ProcessGroup:
+        """The reduce-scatter's group: the shard group, or its own (see below)."""
+        group = self.reduce_scatter_process_group
+        return group if group is not None else self.mesh_info.shard_process_group
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool, new_groups: dict[tuple[int, ...], dist.ProcessGroup]
+    ) -> None:
+        """Reduce-scatter over a process group of its own, over the same ranks as the shard group.
+
+        On NCCL one communicator runs one collective at a time, so a second one
+        lets backward's reduce-scatters overlap its all-gathers. Groups are
+        shared by rank set through ``new_groups`` (one per call of the
+        ``FSDPModule`` method); only the members create it.
+        """
+        if not enable:
+            self.reduce_scatter_process_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_process_group))
+        if ranks not in new_groups:
+            existing = self.reduce_scatter_process_group  # already separate: keep it
+            new_groups[ranks] = existing if existing is not None else dist.new_group(
+                list(ranks), use_local_synchronization=True
+            )
+        self.reduce_scatter_process_group = new_groups[ranks]
+
+    def zero_unused_grads(
+        self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
+    ) -> None:
+        """``set_reduce_scatter_unused_params(True)``: zeros for trainable params with no grad.
+
+        Every rank then reduce-scatters the same parameters, whichever ones its
+        own backward reached (conditional computation: mixture of experts,
+        multi-modal branches), as DDP's ``find_unused_parameters``. A parameter
+        never all-gathered has nothing to reduce.
+        """
+        for i, (p, grad) in enumerate(zip(fsdp_params, grads)):
+            if grad is None:
+                grads[i] = p.zero_unsharded_grad()
+
     def _plan_for(self, dtype: torch.dtype) -> ReducePlan:
         plan = self._reduce_plan
         if plan is None or plan.dtype != dtype:
-            group = self.mesh_info.shard_process_group
+            group = self.reduce_scatter_group
             plan = plan_gradient_reduction(
                 dtype,
                 self.mesh_info.shard_mesh_size,
@@ -72,7 +114,7 @@ class GradientReduction:
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
-            comm = self.reduce_scatter_comm if not identity else None
+            comm = effective(self.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
                 numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
@@ -89,13 +131,11 @@ class GradientReduction:
                 output = comm.allocate(
                     (rs_input.numel() // world_size,), dtype=reduce_dtype, device=rs_input.device
                 )
-                group = self.mesh_info.shard_process_group
+                group = self.reduce_scatter_group
                 comm(output_tensor=output, input_tensor=rs_input, group=group, op=plan.op)
             else:
                 output = rs_input.new_empty(rs_input.numel() // world_size)
-                collectives.reduce_scatter(
-                    output, rs_input, self.mesh_info.shard_process_group, plan.op
-                )
+                collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
             if self.all_reduce_hook is not None and not hsdp:
                 self._call_all_reduce_hook(output)
             if plan.post_factor is not None:

@@ -58,6 +58,7 @@ from ._torch_compat import (
     tree_unflatten,
 )
 from .api import MixedPrecisionPolicy
+from .comm_memory import check_max_input_buffers
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
@@ -196,6 +197,7 @@ class FSDPState:
         group.check_materialized()
         group.check_offloaded()
         group.check_dtypes()
+        check_max_input_buffers(group)
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""
@@ -207,6 +209,19 @@ class FSDPState:
         state.post_optim_event = None
 
     # ---- control surface (called by FSDPModule) ---------------------------------
+
+    def share_iter_ctx(self, other: FSDPState) -> None:
+        """``share_comm_ctx``: use ``other``'s forward order (backward prefetching) from now on.
+
+        Applies to this state's group, and, for a root or before lazy init, to
+        what lazy init and the end of backward use; other states under an
+        initialized root keep theirs, as upstream.
+        """
+        ctx = other.root_ctx.iter_ctx
+        if self.is_root is not False:
+            self.root_ctx.iter_ctx = ctx
+        if self.param_group is not None:
+            self.param_group.ctx = ctx
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self.root_ctx.is_last_backward = is_last_backward

@@ -18,22 +18,26 @@ if IMPL not in ("fsdp2", "torch"):
 if IMPL == "torch":
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
+        DataParallelMeshDims,
         FSDPModule,
         MixedPrecisionPolicy,
         OffloadPolicy,
         UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
+        share_comm_ctx,
     )
 else:
     from fsdp2 import (  # type: ignore[no-redef]
         CPUOffloadPolicy,
+        DataParallelMeshDims,
         FSDPModule,
         MixedPrecisionPolicy,
         OffloadPolicy,
         UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
+        share_comm_ctx,
     )
 
 #: Marks tests of fsdp2-specific behaviour (error messages, features that are
@@ -46,6 +50,7 @@ fsdp2_only = pytest.mark.skipif(
 __all__ = [
     "IMPL",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -53,4 +58,5 @@ __all__ = [
     "fully_shard",
     "fsdp2_only",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

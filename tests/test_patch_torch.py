@@ -44,11 +44,14 @@ NAMES = (
     "CPUOffloadPolicy",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
 )
 # Where user code imports them from, and which of the names each module binds.
 MODULES = {
     "torch.distributed.fsdp": set(NAMES),
-    "torch.distributed._composable.fsdp": set(NAMES) - {"UnshardHandle"},
+    "torch.distributed._composable.fsdp": set(NAMES)
+    - {"UnshardHandle", "DataParallelMeshDims", "share_comm_ctx"},
     "torch.distributed._composable.fsdp.fully_shard": {
         "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     },
@@ -270,7 +273,28 @@ def _training_case(rank, world_size):
         assert not torch.equal(p.full_tensor(), p0), f"{name} did not train"
 
 
-CASES = {"library": _library_case, "training": _training_case}
+def _spmd_case(rank, world_size):
+    """dp_mesh_dims and share_comm_ctx through the patched names, and an early upstream dims object."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
+
+    early_dims = torch.distributed.fsdp.DataParallelMeshDims(shard="dp")  # made before the patch
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    with fsdp2.patch_torch():
+        upstream = torch.distributed.fsdp
+        assert upstream.DataParallelMeshDims is fsdp2.DataParallelMeshDims
+        assert upstream.share_comm_ctx is fsdp2.share_comm_ctx
+        chunks = []
+        for dims in (upstream.DataParallelMeshDims(shard="dp"), early_dims):
+            chunk = build_transformer(seed=5).layers[0]
+            distribute_module(chunk, mesh)
+            chunks.append(upstream.fully_shard(chunk, mesh=mesh, dp_mesh_dims=dims))
+            assert isinstance(chunk, fsdp2.FSDPModule)
+            assert all(p.placements[0].is_shard() for p in chunk.parameters())
+        upstream.share_comm_ctx(chunks)  # upstream's would refuse fsdp2 modules
+
+
+CASES = {"library": _library_case, "training": _training_case, "spmd": _spmd_case}
 
 
 def _outcome():
@@ -286,3 +310,9 @@ def test_library_binding_names_while_patched_shards_with_fsdp2():
 def test_training_through_patched_names_matches_direct_calls():
     """2-rank bf16 training via torch.distributed.fsdp's patched names: same losses as direct calls."""
     check_case(_outcome(), "training")
+
+
+@fsdp2_only
+def test_dp_mesh_dims_and_share_comm_ctx_through_patched_names():
+    """DataParallelMeshDims / share_comm_ctx looked up in torch.distributed.fsdp while patched are fsdp2's."""
+    check_case(_outcome(), "spmd")
