@@ -144,6 +144,13 @@ def fully_shard(
     if dp_mesh_dims is not None:  # see [Note: SPMD meshes] in spmd.py
         spmd = spmd_dims_for(mesh, resolve_dp_mesh_dims(dp_mesh_dims))
         mesh_info = spmd.mesh_info
+        if mesh_info.replicate_only and shard_placement_fn is not None:
+            raise ValueError(
+                "Per-param mesh via shard_placement_fn is not supported with DDPMeshInfo; it "
+                "requires FSDPMeshInfo (or subclass)\n"
+                "dp_mesh_dims names replicate dims only (DDP): nothing is sharded, so drop "
+                "shard_placement_fn"
+            )
         reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, spmd)
     else:
         mesh_info = mesh_info_for(mesh)
@@ -154,7 +161,8 @@ def fully_shard(
     ignored = set(ignored_params or ())
     params, owners, names = _managed_params(modules, ignored)
     shard_dims = {
-        p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn) for p in params
+        p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn, spmd is not None)
+        for p in params
     }
     layouts: dict[nn.Parameter, SpmdLayout] = {}
     if spmd is not None:
@@ -317,9 +325,10 @@ def _shard_dim(
     mesh_info: FSDPMeshInfo,
     device: torch.device,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    on_spmd_mesh: bool = False,
 ) -> int:
     """Validate ``param`` and return the tensor dim FSDP shards it on."""
-    _validate_param(param, name, device)
+    _validate_param(param, name, device, on_spmd_mesh)
     if shard_placement_fn is None:
         return 0
     placement = shard_placement_fn(param)
@@ -372,7 +381,9 @@ def _layout_kwargs(layout: SpmdLayout | None) -> dict[str, Any]:
     return {"placements": layout.placements, "dp_dims": layout.dp_dims}
 
 
-def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> None:
+def _validate_param(
+    param: nn.Parameter, name: str, device: torch.device, on_spmd_mesh: bool = False
+) -> None:
     if param.dim() == 0:
         attr = name.rsplit(".", 1)[-1]  # upstream names the attribute
         raise ValueError(
@@ -395,7 +406,8 @@ def _validate_param(param: nn.Parameter, name: str, device: torch.device) -> Non
                 f"{param.device}\nParameter '{name}' is a DTensor on {param.device} but "
                 f"fully_shard shards on {device}; build its mesh on the current device"
             )
-        if len(param.placements) > 2:
+        # With dp_mesh_dims the DTensor spans the data-parallel dims too (see spmd.py).
+        if len(param.placements) > 2 and not on_spmd_mesh:
             raise FSDPNotImplementedError(
                 f"FSDP only supports 1D TP/EP or 2D EP+TP, not {param.placements}\n"
                 f"Parameter '{name}' is a DTensor on a {len(param.placements)}-D mesh; "

@@ -49,6 +49,8 @@ class FSDPMeshInfo:
     replicate_process_group: dist.ProcessGroup | None = None
     replicate_mesh_size: int = 1
     replicate_mesh_rank: int = 0
+    # dp_mesh_dims with replicate dims only (DDP): the shard group is this rank alone
+    replicate_only: bool = False
 
     @property
     def is_hsdp(self) -> bool:

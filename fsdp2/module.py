@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from .comm_memory import use_process_group_memory, use_symm_mem
+from .errors import FSDPAssertionError
 from .param_group import FSDPParamGroup
 from .staged_collectives import AllGather, ReduceScatter, check_comm
 from .state import FSDPState, state_of
@@ -156,6 +157,13 @@ class FSDPModule:
                 f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
             )
         _check_bool(recurse, "set_reshard_after_forward", "recurse")
+        for group in self._groups(recurse):
+            if group.mesh_info.replicate_only:
+                raise FSDPAssertionError(
+                    f"set_reshard_after_forward: '{group.module_fqn or type(self).__name__}' "
+                    "uses dp_mesh_dims with replicate dims only (DDP), whose parameters are "
+                    "never sharded; there is nothing to reshard"
+                )
         for state in self._states(recurse):
             state.auto_reshard_after_forward = False
             if state.param_group is not None:

@@ -30,6 +30,7 @@ all-reduce), redistributed on the others.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
 from .api import DataParallelMeshDims
+from .errors import FSDPNotImplementedError
 from .mesh import FSDPMeshInfo
 
 
@@ -126,6 +128,7 @@ def _mesh_info(
             shard_mesh_size=1, shard_mesh_rank=0,
             replicate_mesh_dim=0, replicate_process_group=rep.get_group(0),
             replicate_mesh_size=rep.size(0), replicate_mesh_rank=rep.get_local_rank(0),
+            replicate_only=True,
         )
     dp = concatenate_meshes([rep, _submesh(mesh, shard)])  # HSDP: (replicate, shard)
     return FSDPMeshInfo(
@@ -136,16 +139,19 @@ def _mesh_info(
     )
 
 
-_OWN_GROUPS: dict[int, dist.ProcessGroup] = {}
+# world -> this rank's own group; see [Note: Process-group caches are per world] in mesh.py.
+_OWN_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _own_group() -> dist.ProcessGroup:
     """A process group of this rank alone (only this rank takes part in making it)."""
-    rank = dist.get_rank()
-    group = _OWN_GROUPS.get(rank)
-    if group is None:
-        group = dist.new_group([rank], use_local_synchronization=True)
-        _OWN_GROUPS[rank] = group
+    world = dist.group.WORLD
+    group = _OWN_GROUPS.get(world)
+    if group is None:  # one per world, and each thread-rank has its own world
+        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        _OWN_GROUPS[world] = group
     return group
 
 
@@ -154,7 +160,7 @@ def resolve_reshard_after_forward(value: object, spmd: SpmdDims) -> object:
     if not spmd.shard_indices:
         return False  # DDP: nothing is sharded, the parameters stay gathered
     if isinstance(value, int) and not isinstance(value, bool):
-        raise NotImplementedError(
+        raise FSDPNotImplementedError(
             "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
             "pass True, False or None"
         )
