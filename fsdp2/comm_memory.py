@@ -55,8 +55,8 @@ class _BuiltinComm:
         self._group = group
 
 
-class ProcessGroupAllocAllGather(_BuiltinComm):
-    """All-gather into a buffer from the process group's allocator."""
+class _ProcessGroupAlloc(_BuiltinComm):
+    """Buffers from the process group's allocator (where it has one for ``device``)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group)
@@ -66,6 +66,10 @@ class ProcessGroupAllocAllGather(_BuiltinComm):
         self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return _pg_empty(self._group, size, dtype, device)
+
+
+class ProcessGroupAllocAllGather(_ProcessGroupAlloc):
+    """All-gather into a buffer from the process group's allocator."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -74,17 +78,8 @@ class ProcessGroupAllocAllGather(_BuiltinComm):
         return collectives.all_gather(output_tensor, input_tensor, group, async_op)
 
 
-class ProcessGroupAllocReduceScatter(_BuiltinComm):
+class ProcessGroupAllocReduceScatter(_ProcessGroupAlloc):
     """Reduce-scatter between buffers from the process group's allocator."""
-
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        super().__init__(group)
-        self.active = process_group_allocates(group, device)
-
-    def allocate(
-        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _pg_empty(self._group, size, dtype, device)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
