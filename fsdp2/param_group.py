@@ -487,6 +487,7 @@ class FSDPParamGroup(GradientReduction):
             self.zero_unused_grads(self.fsdp_params, taken)
         with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
         grads = [grad for grad in taken if grad is not None]
+        del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
         if self.reshard_after_backward:
             self.reshard()
         if self._layout.mixed:  # requires_grad may have changed since lazy init

@@ -359,11 +359,27 @@ class FSDPState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on the group's forward inputs; its backward is the post-backward.
+    """Identity on the group's forward inputs; its backward is the post-backward."""
 
-    Written with ``setup_context`` (and a vmap and a forward-mode rule) so that
-    it also runs inside ``torch.func`` transforms; see [Note: torch.func
-    transforms] in func_transforms.py.
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.group.post_backward()
+        return (None, *grads)
+
+
+class _PostBackwardInTransform(torch.autograd.Function):
+    """``_PostBackward`` in the ``setup_context`` form (with vmap and forward-mode rules).
+
+    ``torch.func`` transforms need this form; see [Note: torch.func transforms]
+    in func_transforms.py. Only used while a transform runs: ``apply`` of this
+    form binds its arguments through ``inspect.signature`` (tens of us a call).
     """
 
     generate_vmap_rule = True
@@ -398,7 +414,8 @@ def _register_post_backward(
     ]
     if not positions:
         return None
-    outputs = _PostBackward.apply(group, *(leaves[i] for i in positions))
+    function = _PostBackwardInTransform if functorch_active() else _PostBackward
+    outputs = function.apply(group, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
