@@ -101,15 +101,17 @@ def outside_functorch(fn: _F) -> _F:
     (a functorch ``TensorWrapper``, whose storage cannot be read); FSDP's
     bookkeeping on its own buffers (all-gathers, copies, views of the flat
     shard, swapping parameters) must make plain tensors, which the model's
-    forward then uses like any other parameter. Free when no transform is
-    active. Wraps ``torch._C._are_functorch_transforms_active`` and
+    forward then uses like any other parameter. One C call when no transform
+    is active (these run on every hook). Wraps
+    ``torch._C._are_functorch_transforms_active`` and
     ``torch._C._DisableFuncTorch`` (torch 2.0 - 2.13).
     """
+    active, disabled = torch._C._are_functorch_transforms_active, torch._C._DisableFuncTorch
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
+        if active():
+            with disabled():
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
