@@ -88,13 +88,17 @@ class ProcessGroupAllocReduceScatter(_ProcessGroupAlloc):
         collectives.reduce_scatter(output_tensor, input_tensor, group, op)
 
 
-class SymmMemAllGather(_BuiltinComm):
-    """All-gather into a symmetric-memory buffer (CUDA), registered with the peers first."""
+class _SymmMem(_BuiltinComm):
+    """Buffers in symmetric memory (CUDA)."""
 
     def allocate(
         self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return symm_mem_empty(_numel(size), dtype, device).view(size)
+
+
+class SymmMemAllGather(_SymmMem):
+    """All-gather into a symmetric-memory buffer, registered with the peers first."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -104,13 +108,8 @@ class SymmMemAllGather(_BuiltinComm):
         return collectives.all_gather(output_tensor, input_tensor, group, async_op)
 
 
-class SymmMemReduceScatter(_BuiltinComm):
-    """Reduce-scatter between symmetric-memory buffers (CUDA; NCCL sums only)."""
-
-    def allocate(
-        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return symm_mem_empty(_numel(size), dtype, device).view(size)
+class SymmMemReduceScatter(_SymmMem):
+    """Reduce-scatter between symmetric-memory buffers (NCCL sums only)."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,

@@ -514,14 +514,16 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     lazy init otherwise gives it the root's context.
     """
     modules = list(modules)
-    if len(modules) == 0:
-        return
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {module}")
-    states = [module._fsdp_state() for module in modules]
-    for state in states[1:]:
-        state.share_iter_ctx(states[0])
+    strangers = [m for m in modules if not isinstance(m, FSDPModule)]
+    if strangers:
+        raise ValueError(
+            f"Expects list of FSDPModules but got {strangers[0]}\n"
+            "share_comm_ctx: call fully_shard on every module first, or leave it out"
+        )
+    if modules:
+        first, *others = (module._fsdp_state() for module in modules)
+        for state in others:
+            state.share_iter_ctx(first)
 
 
 def _check_bool(value: Any, method: str, name: str) -> None:
