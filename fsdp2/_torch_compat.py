@@ -366,3 +366,23 @@ def symm_mem_rendezvous(tensor: torch.Tensor, group: Any) -> None:
     from torch.distributed import _symmetric_memory
 
     _symmetric_memory.rendezvous(tensor, group=group.group_name)
+
+
+def after_stage_metadata_inference(stage_cls: type, fn: Callable[[Any], None]) -> None:
+    """Make ``stage_cls`` (a ``PipelineStage`` subclass) call ``fn(stage)`` after metadata inference.
+
+    torch 2.13's ``PipelineStage`` infers shapes on the first step by running
+    one real forward and backward, then cleans up upstream's FSDP modules in
+    ``_PipelineStageBase._post_metadata_inference_cleanup`` (torch 2.13; absent
+    before, where nothing is inferred this way and ``fn`` is never needed).
+    """
+    name = "_post_metadata_inference_cleanup"
+    base = getattr(stage_cls, name, None)
+    if base is None:
+        return
+
+    def cleanup(self: Any) -> None:
+        base(self)
+        fn(self)
+
+    setattr(stage_cls, name, cleanup)
