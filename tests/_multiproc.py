@@ -10,12 +10,13 @@ Usage (``_body`` must be a module-level function; it is inherited through
         run_ranks(_body, 2, extra)
 
 Every rank runs ``fn(rank, world_size, *args)`` inside an initialized default
-process group: gloo, or with ``backend="nccl"`` NCCL with rank ``r`` on GPU
-``r``; NCCL ranks start with ``spawn`` (CUDA does not survive ``fork``), so
-``fn`` and ``args`` must then be picklable (module-level functions,
-``functools.partial`` of them).  The return values of all ranks come back as a
-list (they must be picklable).  If any rank raises, exits non-zero or the run exceeds
-``timeout`` seconds, all ranks are killed and :class:`RankError` is raised
+process group: gloo, or with ``backend="nccl"`` NCCL for CUDA tensors (gloo for
+CPU ones) with rank ``r`` on GPU ``r``. NCCL ranks start with ``spawn`` (CUDA
+does not survive ``fork``), so ``fn`` and ``args`` must then be picklable
+(module-level functions, ``functools.partial`` of them). The return values of
+all ranks come back as a list (they must be picklable). If any rank raises,
+exits non-zero or the run exceeds ``timeout`` seconds, all ranks are killed
+and :class:`RankError` is raised
 with every failing rank's traceback text.
 """
 
@@ -65,10 +66,12 @@ def _child(
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
         if backend == "nccl":
+            # CUDA tensors through NCCL, CPU ones (e.g. offloaded shards) through gloo
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
             dist.init_process_group(
-                "nccl", store=store, rank=rank, world_size=world_size, device_id=device
+                "cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world_size,
+                device_id=device,
             )
         else:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)

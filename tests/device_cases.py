@@ -216,6 +216,8 @@ def train(
         out.losses.append(global_mean(loss.float()).item())
         out.grads.append(_grads(model))
         optim_step(opt, model)
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()  # the last step may have run on a side stream
     out.params = _snapshot(model.named_parameters())
     return out
 
@@ -326,7 +328,8 @@ def _side_stream_step(opt: torch.optim.Optimizer, model: nn.Module) -> None:
         _plain_step(opt, model)
         model.set_post_optim_event(torch.Event(device=device))
         return
-    side = torch.cuda.Stream()
+    side = getattr(opt, "_side_stream", None) or torch.cuda.Stream()
+    opt._side_stream = side  # one stream: its memory (momentum buffers) stays on it
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)  # an all-gather that does not wait reads old values
