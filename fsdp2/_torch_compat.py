@@ -3,6 +3,16 @@
 Each helper names the private symbol it wraps and the torch versions it was
 checked on. If a future torch release moves one of these, this is the only
 file that changes.
+
+torch 2.11 (the GPU machine's): audited by reading, not yet run. Every symbol
+below predates 2.11 (the newest are ``DeviceMesh._concatenate``, symmetric
+memory's ``set_backend`` / ``get_mem_pool`` and ``torch.cuda.use_mem_pool``,
+all 2.9) or is looked up with a fallback (``Backend.supports_tensor_alloc``,
+``DeviceMesh._concatenate``); the public collectives fall back from
+``all_gather_single`` / ``reduce_scatter_single`` (2.13) to
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``. What 2.11 lacks is
+upstream's ``DataParallelMeshDims`` and ``share_comm_ctx`` (2.12 / 2.13):
+fsdp2 has its own, and only recognises upstream's where torch has it.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives, staged_collectives
+from ._force_collectives import skips_collectives
 from ._torch_compat import local_tensor, outside_functorch
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .comm_memory import effective
@@ -96,6 +97,8 @@ class FSDPParamGroup(GradientReduction):
         self.fsdp_params = fsdp_params
         self.modules = modules
         self.mesh_info = mesh_info
+        # One rank, nothing to communicate: see [Note: Forcing collectives on one rank]
+        self.alone = skips_collectives(mesh_info.shard_mesh_size)
         self.device = device
         self.reshard_after_forward = reshard_after_forward
         # Set only for reshard_after_forward=int: see [Note: Resharding to a smaller group ...]
@@ -280,12 +283,12 @@ class FSDPParamGroup(GradientReduction):
         layout = self._layout
         if (
             self._has_extensions
-            or (effective(self.all_gather_comm) is not None and world_size > 1)
+            or (effective(self.all_gather_comm) is not None and not self.alone)
             or (layout.mixed and self._copy_in and self._post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
             return
-        if world_size == 1 and not self._copy_in:
+        if self.alone and not self._copy_in:
             # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
                 p.alias_shard()
@@ -340,6 +343,7 @@ class FSDPParamGroup(GradientReduction):
             self.mesh_info.shard_mesh_size,
             effective(self.all_gather_comm),
             async_op,
+            skip_collective=self.alone,
         )
         if not async_op:
             self.wait_for_unshard()
