@@ -3,7 +3,8 @@
 Upstream ``fully_shard`` has no such API, so every test is fsdp2-only; each
 compares what the block shows (and what it writes back) with an unsharded
 reference model trained alongside. One launch per world size runs every case
-(W = 1, 2, 3; HSDP 2x2 on 4 ranks).
+(W = 1, 2, 3; on 4 ranks HSDP 2x2 and
+``reshard_after_forward=2``).
 """
 
 from __future__ import annotations
@@ -236,7 +237,9 @@ def _case_errors(rank, world_size):
 
 
 def _case_int_reshard_after_forward(rank, world_size):
-    ref, model, opts = _trained_pair(rank, world_size, reshard_after_forward=world_size)
+    # W = 4, groups of 2: an int that neither equals 1 nor the world size
+    mesh = init_device_mesh("cpu", (world_size,))
+    ref, model, opts = _trained_pair(rank, world_size, mesh=mesh, reshard_after_forward=2)
     with _summon(model):
         _assert_full_like(model, ref, "int")
     loss = transformer_loss(model, rank_slice(transformer_batch(1, 2 * world_size), rank,
@@ -259,7 +262,6 @@ CASES = {
     "mixed_precision_and_offload": _case_mixed_precision_and_offload,
     "other_shard_dim": _case_other_shard_dim,
     "errors": _case_errors,
-    "int_reshard_after_forward": _case_int_reshard_after_forward,
 }
 
 
@@ -267,7 +269,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_summon_full_params(case, world_size):
     """summon_full_params case ``case`` matches the unsharded reference at this world size."""
-    check_case(launch_cases("summon", world_size, CASES), case)
+    check_case(launch_cases(("summon", world_size), world_size, CASES), case)
 
 
 def _hsdp_body(rank, world_size):
@@ -283,9 +285,14 @@ def _hsdp_body(rank, world_size):
     _step(ref, model, opts, 1, rank, world_size)
 
 
-HSDP_CASES = {"hsdp": _hsdp_body}
+FOUR_RANK_CASES = {"hsdp": _hsdp_body, "int_reshard_after_forward": _case_int_reshard_after_forward}
 
 
 def test_summon_full_params_hsdp():
     """HSDP on a 2x2 mesh: one all-gather per group over the shard dim, write-back, training."""
-    check_case(launch_cases("summon_hsdp", 4, HSDP_CASES), "hsdp")
+    check_case(launch_cases("summon_4", 4, FOUR_RANK_CASES), "hsdp")
+
+
+def test_summon_full_params_int_reshard_after_forward():
+    """reshard_after_forward=2 on 4 ranks: summoned after a step; refused between forward and backward."""
+    check_case(launch_cases("summon_4", 4, FOUR_RANK_CASES), "int_reshard_after_forward")

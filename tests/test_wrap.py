@@ -152,4 +152,4 @@ CASES.update(
 @pytest.mark.parametrize("case", list(CASES))
 def test_shard_model(case, world_size):
     """shard_model case ``case``: FSDP1's units, fully_shard groups, training parity."""
-    check_case(launch_cases("shard_model", world_size, CASES), case)
+    check_case(launch_cases(("shard_model", world_size), world_size, CASES), case)
