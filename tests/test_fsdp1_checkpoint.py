@@ -183,10 +183,39 @@ def _load_case(root, fsdp1_losses, how, source, run):
     return case
 
 
+def _index_mismatch_case(root):
+    def case(rank, world_size):
+        model = shard_transformer(build_transformer(seed=SEED), fully_shard, mesh=cpu_mesh())
+        params = list(model.parameters())
+        opt = torch.optim.Adam([{"params": params[:3]}, {"params": params[3:]}], lr=LR)
+        path = os.path.join(root, "full_ids_True.pt")
+        sd = torch.load(path, weights_only=False) if rank == 0 else {"model": None, "optim": None}
+        with pytest.raises(ValueError, match="keyed by parameter index and has 1 parameter group"):
+            set_full_state_dict(model, opt, model_state_dict=sd["model"],
+                                optim_state_dict=sd["optim"])
+        assert not opt.state  # refused on every rank before anything was written
+
+    return case
+
+
+def _cases(root, losses):
+    cases = {name: _load_case(root, losses, *spec) for name, spec in VARIANTS.items()}
+    cases["index_keyed_other_groups"] = _index_mismatch_case(root)
+    return cases
+
+
 @pytest.mark.parametrize("world_size", [3, 1])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fsdp1_checkpoint_loads(saved, variant, world_size):
     """An FSDP1 checkpoint saved on 2 ranks loads on ``world_size``: state and next losses equal."""
     root, losses = saved
-    cases = {name: _load_case(root, losses, *spec) for name, spec in VARIANTS.items()}
-    check_case(launch_cases(("fsdp1_load", root, world_size), world_size, cases), variant)
+    check_case(launch_cases(("fsdp1_load", root, world_size), world_size, _cases(root, losses)),
+               variant)
+
+
+@pytest.mark.parametrize("world_size", [3, 1])
+def test_index_keyed_optimizer_needs_the_saved_groups(saved, world_size):
+    """Index-keyed optimizer state into an optimizer with other groups: one ValueError on every rank."""
+    root, losses = saved
+    check_case(launch_cases(("fsdp1_load", root, world_size), world_size, _cases(root, losses)),
+               "index_keyed_other_groups")
