@@ -396,3 +396,22 @@ def after_stage_metadata_inference(stage_cls: type, fn: Callable[[Any], None]) -
         fn(self)
 
     setattr(stage_cls, name, cleanup)
+
+
+def run_module_wrap_policy(
+    policy: Any, root: nn.Module, root_kwargs: dict[str, Any]
+) -> dict[nn.Module, dict[str, Any]] | None:
+    """The modules an FSDP1 policy object selects, with each one's keyword arguments.
+
+    FSDP1's module-level policies (``ModuleWrapPolicy``, ``CustomPolicy``)
+    subclass ``torch.distributed.fsdp.wrap._Policy`` and answer
+    ``_run_policy(root, ignored_modules, root_kwargs)`` with ``{module:
+    kwargs}``; ``None`` for any other policy (the plain callables, which
+    ``shard_model`` walks itself). Wraps ``_Policy`` and ``_Policy._run_policy``
+    (torch 2.1 - 2.13).
+    """
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if not isinstance(policy, _Policy):
+        return None
+    return policy._run_policy(root, set(), dict(root_kwargs))
