@@ -153,7 +153,8 @@ class FSDPParamGroup(GradientReduction):
     # ---- buffers ------------------------------------------------------------
 
     @property
-    def _layout(self) -> FlatShardLayout:
+    def layout(self) -> FlatShardLayout:
+        """Where each parameter's shard sits in the group's flat buffer."""
         return self._flat.layout
 
     def _init_dtypes(self) -> None:
@@ -164,7 +165,7 @@ class FSDPParamGroup(GradientReduction):
         See [Note: Mixed precision cast points] in mixed_precision.py.
         """
         self._check_extensions()
-        layout = self._layout
+        layout = self.layout
         # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
         fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
@@ -271,6 +272,16 @@ class FSDPParamGroup(GradientReduction):
     def is_unsharded(self) -> bool:
         return self._is_unsharded
 
+    @property
+    def holds_gathered(self) -> bool:
+        """Unsharded, or an all-gather in flight, or some parameter not back on its shard."""
+        return (
+            self._is_unsharded
+            or self._pending_unshard is not None
+            or self._pending_staged is not None
+            or any(p.state != ShardedState.SHARDED for p in self.fsdp_params)
+        )
+
     @outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
@@ -280,7 +291,7 @@ class FSDPParamGroup(GradientReduction):
             self.adopt_params()
             self.check_materialized()
         world_size = self.mesh_info.shard_mesh_size
-        layout = self._layout
+        layout = self.layout
         if (
             self._has_extensions
             or (effective(self.all_gather_comm) is not None and not self.alone)
@@ -374,7 +385,7 @@ class FSDPParamGroup(GradientReduction):
         if work is not None:
             work.wait()
         self._post_forward_flat = None
-        params = self._layout.in_order(self.fsdp_params)
+        params = self.layout.in_order(self.fsdp_params)
         collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
@@ -414,9 +425,9 @@ class FSDPParamGroup(GradientReduction):
         info = self.post_forward_mesh_info
         num_blocks = self.mesh_info.shard_mesh_size // info.size
         start = info.rank * num_blocks
-        params = self._layout.in_order(self.fsdp_params)
+        params = self.layout.in_order(self.fsdp_params)
         blocks = [p.gathered_blocks(start, start + num_blocks) for p in params]
-        if self._layout.mixed:  # See [Note: Mixed-dtype groups]
+        if self.layout.mixed:  # See [Note: Mixed-dtype groups]
             blocks = [b.view(torch.uint8) for b in blocks]
         kept = torch.cat(blocks, dim=1)
         self.reshard()
@@ -494,7 +505,7 @@ class FSDPParamGroup(GradientReduction):
         del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
         if self.reshard_after_backward:
             self.reshard()
-        if self._layout.mixed:  # requires_grad may have changed since lazy init
+        if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
             self._reduce_scatter(with_grad, grads)

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from . import collectives
 from ._torch_compat import in_backward, local_tensor
 from .errors import FSDPAssertionError, FSDPNotImplementedError
-from .param import FSDPParam, ShardedState
+from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState
 from .state import state_of
 
@@ -209,13 +209,7 @@ def _check_can_summon(group: FSDPParamGroup) -> None:
             f"summon_full_params was called inside the forward or backward of {where}; "
             "call it outside the training step (e.g. after optimizer.step())"
         )
-    gathered = (
-        group.is_unsharded
-        or group._pending_unshard is not None
-        or group._pending_staged is not None
-        or any(p.state != ShardedState.SHARDED for p in group.fsdp_params)
-    )
-    if gathered:
+    if group.holds_gathered:
         raise RuntimeError(
             f"summon_full_params: the group of {where} holds gathered parameters (between "
             "forward and backward, kept by set_reshard_after_backward(False), or after "
@@ -239,7 +233,7 @@ def _summon_group(
 ) -> _Summoned:
     """Gather one group (one collective, two with gradients) and register its full parameters."""
     entry = _Summoned(group)
-    layout = group._layout
+    layout = group.layout
     with torch.no_grad():
         blocks = _all_gather(group, group.sharded_flat)
         grad_blocks, grad_offsets = None, {}
