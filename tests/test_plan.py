@@ -1,0 +1,152 @@
+"""fsdp2.plan: predicted peak memory and bytes against real gloo runs, and against FSDPMemTracker.
+
+Each validation case builds the same model for real on W = 2 and 4 gloo ranks
+(through the planner's own grouping, ``shard_model``), trains two warm-up
+steps, then measures one step the way ``benchmarks/bench_bytes.py`` does:
+``benchmarks/instruments.LiveBytes`` (live storage bytes, on from before the
+model is built) and ``CommCounter`` (logical collective bytes). The planner
+simulates the same step on fake tensors at the same W. Predicted peak must be
+within 10% of the measured one and predicted bytes equal to counted bytes.
+Under ``FSDP2_TEST_IMPL=torch`` both sides use upstream's ``fully_shard``.
+Models: the demo model (examples/model.py), a small Hugging Face Llama and
+GPT-2. All real runs of one W share one launch; the table of results prints
+with ``pytest -s``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from _impl import IMPL
+from _multiproc import run_ranks
+
+pytest.importorskip("transformers")
+
+from fsdp2.plan import PlanConfig, plan, search, simulate  # noqa: E402
+from fsdp2.plan import models as plan_models  # noqa: E402
+from fsdp2.plan.cost import get_device  # noqa: E402
+from fsdp2.plan.simulate import _make_optimizer, shard_model  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH, SEQ = 2, 64
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def demo_model():
+    return _load("examples/model.py", "_plan_demo_model").demo_model()
+
+
+LLAMA = {
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "tie_word_embeddings": False,
+}
+GPT2 = {
+    "model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 3, "n_head": 4,
+    "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0,
+}
+CASES = {
+    "demo": {"model": demo_model},
+    "demo, no reshard, bf16": {
+        "model": demo_model, "reshard_after_forward": False, "param_dtype": "bf16",
+        "reduce_dtype": "float32",
+    },
+    "hf llama": {"hf_config": LLAMA},
+    "hf gpt2": {"hf_config": GPT2},
+}
+
+
+def _config(name: str, world_size: int) -> PlanConfig:
+    return PlanConfig(
+        world_size=world_size, batch_size=BATCH, seq_len=SEQ, implementation=IMPL, **CASES[name]
+    )
+
+
+def _measure(rank: int, world_size: int, names: list[str]) -> dict:
+    """One measured step per case on this rank: peak live bytes and collective bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore")
+    instruments = _load("benchmarks/instruments.py", "_plan_instruments")
+    out = {}
+    for name in names:
+        cfg = _config(name, world_size)
+        with instruments.LiveBytes() as live:
+            torch.manual_seed(0)
+            model = plan_models.build_model(cfg.hf_config, cfg.model, torch.float32)
+            shard_model(cfg, model, init_device_mesh("cpu", (world_size,)), None)
+            optim = _make_optimizer(cfg, model)
+
+            def step(i: int) -> None:
+                torch.manual_seed(100 + i)
+                inputs, targets = plan_models.token_inputs(model, BATCH, SEQ)
+                plan_models.lm_loss(model(*inputs), targets).backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+
+            for i in range(2):
+                step(i)
+            live.reset_peak()
+            with instruments.CommCounter() as comms:
+                step(2)
+            out[name] = {"peak": live.peak, "comm": dict(comms.bytes)}
+        del model, optim
+    return out
+
+
+_RESULTS: dict = {}
+
+
+def _results(world_size: int) -> dict:
+    if world_size not in _RESULTS:
+        measured = run_ranks(_measure, world_size, list(CASES))[0]
+        rows = {}
+        for name in CASES:
+            p = plan(_config(name, world_size))
+            rows[name] = {"predicted": p, "measured": measured[name]}
+        _RESULTS[world_size] = rows
+    return _RESULTS[world_size]
+
+
+def _kinds(comm: dict) -> dict:
+    """CommCounter's per-function bytes by collective kind (``all_gather_single`` -> ``all_gather``)."""
+    out: dict = {}
+    for name, nbytes in comm.items():
+        kind = next((k for k in ("all_gather", "reduce_scatter") if k in name), name)
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_predicted_peak_and_bytes_match_real_runs(world_size):
+    """Predicted peak within 10% of a real gloo run's, predicted bytes equal to counted bytes."""
+    rows = _results(world_size)
+    print(f"\n{IMPL}, W={world_size}: model | predicted peak | measured peak | ratio | "
+          "predicted bytes | counted bytes")
+    failures = []
+    for name, row in rows.items():
+        p, m = row["predicted"], row["measured"]
+        ratio = p.peak_bytes_per_rank / m["peak"]
+        predicted = {k: v for k, v in p.comm_bytes_per_step.items() if k != "total"}
+        counted = _kinds(m["comm"])
+        print(f"  {name} | {p.peak_bytes_per_rank:,} | {m['peak']:,} | {ratio:.3f} | "
+              f"{p.comm_bytes_per_step['total']:,} | {sum(counted.values()):,}")
+        if not 0.9 <= ratio <= 1.1:
+            failures.append(f"{name}: predicted peak {p.peak_bytes_per_rank:,} vs measured {m['peak']:,}")
+        if predicted != counted:
+            failures.append(f"{name}: predicted bytes {predicted} vs counted {counted}")
+    assert not failures, "\n".join(failures)
