@@ -105,7 +105,39 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict:
                 step(2)
             out[name] = {"peak": live.peak, "comm": dict(comms.bytes)}
         del model, optim
+    if world_size == 2:
+        out["FSDPMemTracker"] = _fsdp_mem_tracker_peak(world_size)
     return out
+
+
+def _fsdp_mem_tracker_peak(world_size: int) -> int:
+    """Upstream's FSDPMemTracker's peak for one step of the demo model on upstream's fully_shard."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = PlanConfig(world_size=world_size, batch_size=BATCH, seq_len=SEQ, implementation="torch",
+                     model=demo_model)
+    torch.manual_seed(0)
+    model = demo_model()
+    shard_model(cfg, model, init_device_mesh("cpu", (world_size,)), None)
+    optim = _make_optimizer(cfg, model)
+    batches = []
+    for i in range(3):
+        torch.manual_seed(100 + i)
+        batches.append(plan_models.token_inputs(model, BATCH, SEQ))
+
+    def step(inputs, targets) -> None:
+        plan_models.lm_loss(model(*inputs), targets).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    for i in range(2):
+        step(*batches[i])
+    tracker = FSDPMemTracker(model, optim)
+    tracker.track_inputs(batches[2][0])
+    with tracker:
+        step(*batches[2])
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 _RESULTS: dict = {}
@@ -114,7 +146,7 @@ _RESULTS: dict = {}
 def _results(world_size: int) -> dict:
     if world_size not in _RESULTS:
         measured = run_ranks(_measure, world_size, list(CASES))[0]
-        rows = {}
+        rows = {"FSDPMemTracker": measured.get("FSDPMemTracker")}
         for name in CASES:
             p = plan(_config(name, world_size))
             rows[name] = {"predicted": p, "measured": measured[name]}
@@ -138,8 +170,8 @@ def test_predicted_peak_and_bytes_match_real_runs(world_size):
     print(f"\n{IMPL}, W={world_size}: model | predicted peak | measured peak | ratio | "
           "predicted bytes | counted bytes")
     failures = []
-    for name, row in rows.items():
-        p, m = row["predicted"], row["measured"]
+    for name in CASES:
+        p, m = rows[name]["predicted"], rows[name]["measured"]
         ratio = p.peak_bytes_per_rank / m["peak"]
         predicted = {k: v for k, v in p.comm_bytes_per_step.items() if k != "total"}
         counted = _kinds(m["comm"])
@@ -150,3 +182,12 @@ def test_predicted_peak_and_bytes_match_real_runs(world_size):
         if predicted != counted:
             failures.append(f"{name}: predicted bytes {predicted} vs counted {counted}")
     assert not failures, "\n".join(failures)
+
+
+def test_peak_matches_upstream_fsdp_mem_tracker():
+    """On upstream's fully_shard (where FSDPMemTracker applies) its peak and the plan's agree within 10%."""
+    measured = _results(2)["FSDPMemTracker"]
+    predicted = plan(_config("demo", 2).with_(implementation="torch")).peak_bytes_per_rank
+    print(f"\nFSDPMemTracker, demo, W=2: predicted {predicted:,} vs tracker {measured:,} "
+          f"({predicted / measured:.3f})")
+    assert 0.9 <= predicted / measured <= 1.1, (predicted, measured)
