@@ -191,3 +191,55 @@ def test_peak_matches_upstream_fsdp_mem_tracker():
     print(f"\nFSDPMemTracker, demo, W=2: predicted {predicted:,} vs tracker {measured:,} "
           f"({predicted / measured:.3f})")
     assert 0.9 <= predicted / measured <= 1.1, (predicted, measured)
+
+
+def test_cli_json_plot_and_missing_matplotlib(tmp_path, monkeypatch, capsys):
+    """The CLI writes JSON with the documented keys and a PNG; --plot without matplotlib says how to fix."""
+    from fsdp2.plan.cli import main
+
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    model = f"{os.path.join(REPO, 'examples', 'model.py')}:demo_model"
+    main(["--model", model, "--world-size", "1024", "--mesh", "128,8", "--seq-len", "32",
+          "--reshard-after-forward", "false", "--json", str(out_json), "--plot", str(out_png)])
+    data = json.loads(out_json.read_text())
+    assert data["peak_bytes_per_rank"] > 0 and data["comm_bytes_per_step"]["total"] > 0
+    assert data["config"]["mesh"] == [128, 8]
+    assert data["comm_bytes_per_step"]["all_reduce"] > 0  # HSDP: gradients all-reduced
+    assert set(data["peak_breakdown_bytes"]) >= {"parameters", "optimizer", "activations"}
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert "Peak memory per rank" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        main(["--model", model, "--plot", str(out_png)])
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_bad_input_raises_early():
+    """A mesh that does not multiply to W, a bad reshard size or group pattern raise naming the fix."""
+    with pytest.raises(ValueError, match="world_size=8"):
+        plan(model=demo_model, world_size=8, mesh=(3, 2))
+    with pytest.raises(ValueError, match="reshard_after_forward=3"):
+        plan(model=demo_model, world_size=8, reshard_after_forward=3)
+    with pytest.raises(ValueError, match="--groups 'nope.*'"):
+        plan(model=demo_model, world_size=2, groups=["nope.*"])
+    with pytest.raises(ValueError, match="llama-3-8b"):
+        plan(hf_config="no-such-config", world_size=2)
+
+
+def test_search_ranks_and_extrapolates():
+    """--search puts fitting configs first by time; depth extrapolation equals a full simulation."""
+    from fsdp2.plan.search import _priced, candidates
+
+    device = get_device("h100", gpus_per_node=2)
+    base = _config("hf llama", 8).with_(hf_config={**LLAMA, "num_hidden_layers": 6})
+    assert len(candidates(base, 2)) == 14  # (8,) x raf T/F/2 + (4,2), (2,4) x raf T/F; x AC off/on
+    extrapolated = _priced(base, device, extrapolate=True)[0]
+    full = plan(base, device)
+    assert extrapolated.comm_bytes_per_step == full.comm_bytes_per_step
+    assert abs(extrapolated.peak_bytes_per_rank / full.peak_bytes_per_rank - 1) < 0.01
+    plans = search(_config("demo", 2), device, memory_limit=full.peak_bytes_per_rank)
+    fits = [p.peak_bytes_per_rank <= full.peak_bytes_per_rank for p in plans]
+    assert fits == sorted(fits, reverse=True)
+    times = [p.step_seconds for p, ok in zip(plans, fits) if ok]
+    assert times == sorted(times)

@@ -70,6 +70,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "flops_by_phase": sim.flops,
         "step_time": p.time,
         "simulation_seconds": sim.seconds,
+        "simulation_cpu_seconds": sim.cpu_seconds,
     }
 
 
@@ -121,7 +122,7 @@ def plan_table(p: Plan) -> str:
         f"{dev.mfu:.0%} of {dev.peak_tflops:g} TFLOP/s), communication {t['comm_s'] * 1e3:,.1f} ms "
         f"(intra-node {dev.intra_node_gbps:g} GB/s, inter-node {dev.inter_node_gbps:g} GB/s, "
         f"{dev.gpus_per_node} GPUs per node)",
-        f"  (simulated in {p.simulation.seconds:.1f} s; see docs/plan.md for the model and its limits)",
+        f"  (simulated in {p.simulation.seconds:.1f} s, {p.simulation.cpu_seconds:.1f} s CPU; see docs/plan.md for the model and its limits)",
     ]
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -110,7 +110,7 @@ class Simulation:
     largest_group_shard: int
     num_params: int
     seconds: float
-    notes: list[str] = field(default_factory=list)
+    cpu_seconds: float = 0.0
 
 
 def _dtype(name: str | None, what: str) -> torch.dtype | None:
@@ -235,7 +235,7 @@ def shard_model(
 def simulate(cfg: PlanConfig) -> Simulation:
     """Run one training step of ``cfg`` on fake tensors at its world size; what it used."""
     shape = _check(cfg)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     tracker = StepTracker()
     fake = fake_tensor_mode()
     init_fake_process_group(cfg.world_size)
@@ -246,6 +246,7 @@ def simulate(cfg: PlanConfig) -> Simulation:
     finally:
         dist.destroy_process_group()
     sim.seconds = time.perf_counter() - started
+    sim.cpu_seconds = time.process_time() - cpu_started
     return sim
 
 
