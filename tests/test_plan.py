@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -29,7 +28,7 @@ from _multiproc import run_ranks
 
 pytest.importorskip("transformers")
 
-from fsdp2.plan import PlanConfig, plan, search, simulate  # noqa: E402
+from fsdp2.plan import PlanConfig, plan, search  # noqa: E402
 from fsdp2.plan import models as plan_models  # noqa: E402
 from fsdp2.plan.cost import get_device  # noqa: E402
 from fsdp2.plan.simulate import _make_optimizer, shard_model  # noqa: E402
@@ -76,6 +75,14 @@ def _config(name: str, world_size: int) -> PlanConfig:
     )
 
 
+def _train_step(model, optim, i: int) -> None:
+    torch.manual_seed(100 + i)
+    inputs, targets = plan_models.token_inputs(model, BATCH, SEQ)
+    plan_models.lm_loss(model(*inputs), targets).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
 def _measure(rank: int, world_size: int, names: list[str]) -> dict:
     """One measured step per case on this rank: peak live bytes and collective bytes."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -90,19 +97,11 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict:
             model = plan_models.build_model(cfg.hf_config, cfg.model, torch.float32)
             shard_model(cfg, model, init_device_mesh("cpu", (world_size,)), None)
             optim = _make_optimizer(cfg, model)
-
-            def step(i: int) -> None:
-                torch.manual_seed(100 + i)
-                inputs, targets = plan_models.token_inputs(model, BATCH, SEQ)
-                plan_models.lm_loss(model(*inputs), targets).backward()
-                optim.step()
-                optim.zero_grad(set_to_none=True)
-
             for i in range(2):
-                step(i)
+                _train_step(model, optim, i)
             live.reset_peak()
             with instruments.CommCounter() as comms:
-                step(2)
+                _train_step(model, optim, 2)
             out[name] = {"peak": live.peak, "comm": dict(comms.bytes)}
         del model, optim
     if world_size == 2:
