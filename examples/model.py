@@ -150,3 +150,14 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+def demo_model() -> Transformer:
+    """The demo's model at examples/train.py's defaults, initialized.
+
+    For the planner: ``python -m fsdp2.plan --model examples/model.py:demo_model
+    --world-size 2 --batch-size 8 --seq-len 128``.
+    """
+    model = Transformer(ModelArgs(dim=128, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=128))
+    model.init_weights()
+    return model

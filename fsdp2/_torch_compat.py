@@ -415,3 +415,29 @@ def run_module_wrap_policy(
     if not isinstance(policy, _Policy):
         return None
     return policy._run_policy(root, set(), dict(root_kwargs))
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``FakeTensorMode``: tensors with shapes, dtypes and devices but no data.
+
+    Only the planner (``fsdp2.plan``) uses it, to run a training step of any
+    size without memory. Wraps ``torch._subclasses.fake_tensor.FakeTensorMode``
+    (torch 2.1 - 2.13).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """Join torch's fake process group as ``rank`` of ``world_size``.
+
+    Its collectives return at once and move nothing (outputs keep whatever
+    they held); only the planner and the benchmarks use it. Wraps
+    ``torch.testing._internal.distributed.fake_pg.FakeStore`` and the
+    ``"fake"`` backend it registers (torch 2.2 - 2.13).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -333,9 +333,13 @@ class FSDPParam:
             return False
         if view.numel() == 0:
             return local.numel() == 0 and local is view
-        return (
-            local.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
-            and local.storage_offset() == view.storage_offset()
+        if local.storage_offset() != view.storage_offset():
+            return False
+        # Fake tensors (the planner, fsdp2.plan) all report data pointer 0: compare
+        # the storage objects themselves, which torch keeps one per storage.
+        mine, slot_storage = local.untyped_storage(), view.untyped_storage()
+        return mine is slot_storage or (
+            mine.device.type != "meta" and mine.data_ptr() == slot_storage.data_ptr()
         )
 
     def adopt_registered(self) -> None:
