@@ -44,9 +44,9 @@ def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
                 device_id=device,
             )
         elif backend == "fake":
-            from torch.testing._internal.distributed.fake_pg import FakeStore
+            from fsdp2._torch_compat import init_fake_process_group
 
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+            init_fake_process_group(world_size)
         else:
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

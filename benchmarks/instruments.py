@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fsdp2._torch_compat import in_backward
+
 COPY_OPS = (
     "copy_",
     "_foreach_copy_",
@@ -255,7 +257,7 @@ class LiveBytes(TorchDispatchMode):
                 self.tagged += size - old
             if self.current > self.peak:
                 self.peak = self.current
-                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward/other"
+                phase = "backward" if in_backward() else "forward/other"
                 self.peak_at = f"{self._op} ({phase})"
             self.peak_untagged = max(self.peak_untagged, self.current - self.tagged)
 
