@@ -3,7 +3,9 @@
 [Note: One training step]
 root pre-forward   lazy init once (root, FQNs, no parameter in two groups,
                    meta and dtype checks, root keeps its
-                   parameters unsharded after forward unless told otherwise);
+                   parameters unsharded after forward unless told otherwise,
+                   every rank shards the same model: see [Note: Divergence
+                   check at lazy init] in divergence.py);
                    wait for the user's post-optimizer event, if one was set
 pre-forward        cast floating inputs (mixed precision); unshard the group;
                    start the all-gathers of the explicit forward prefetch
@@ -59,6 +61,7 @@ from ._torch_compat import (
 )
 from .api import MixedPrecisionPolicy
 from .comm_memory import check_max_input_buffers
+from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
@@ -171,9 +174,15 @@ class FSDPState:
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
         try:
-            check_shared_params(root_module, ctx.all_states, module_fqns)
-            for state in ctx.all_states:
-                state._lazy_init_group(module_fqns, ctx)
+            local_error = None
+            try:
+                check_shared_params(root_module, ctx.all_states, module_fqns)
+                for state in ctx.all_states:
+                    state._lazy_init_group(module_fqns, ctx)
+            except Exception as e:  # raised on every rank below; see [Note: Divergence check ...]
+                local_error = e
+            groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
+            check_same_model(type(root_module).__name__, groups, local_error)
         except BaseException:
             for state in ctx.all_states:
                 state.is_root = None  # the user may fix the error: lazy init runs again
