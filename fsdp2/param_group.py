@@ -105,6 +105,10 @@ class FSDPParamGroup(GradientReduction):
         # HSDP: all-reduce gradients over the replicate group (off while accumulating)
         self.all_reduce_grads = True
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
+        # See [Note: Gradients of parameters used on some ranks] in reduction.py.
+        self._partial_flags: dict[FSDPParam, torch.Tensor] = {}
+        self._had_grad_since_all_reduce: set[FSDPParam] = set()
+        self._presence_ones: tuple[tuple, torch.Tensor] | None = None
         # Control surface (FSDPModule.set_*); see module.py.
         self.reduce_grads = True
         self.unshard_in_backward = True
@@ -483,8 +487,12 @@ class FSDPParamGroup(GradientReduction):
                 self.reshard()
             return
         taken = [p.take_unsharded_grad() for p in self.fsdp_params]
+        filled = None
         if self.reduce_scatter_unused_params:
             self.zero_unused_grads(self.fsdp_params, taken)
+        elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:
+            # See [Note: Gradients of parameters used on some ranks] in reduction.py
+            filled = self.fill_unused_grads(self.fsdp_params, taken)
         with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
         grads = [grad for grad in taken if grad is not None]
         del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
@@ -493,7 +501,7 @@ class FSDPParamGroup(GradientReduction):
         if self._layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
-            self._reduce_scatter(with_grad, grads)
+            self._reduce_scatter(with_grad, grads, filled)
 
     def _hold_unsharded_grads(self) -> None:
         """Keep the unsharded gradients for the next backward to add to.

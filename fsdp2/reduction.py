@@ -5,6 +5,45 @@ concept. The state it uses (mesh info, dtypes, offload flags, the control
 settings) is set up by the group; see [Note: CPU offload] and
 [Note: Gradient accumulation without sync] in param_group.py and
 [Note: Gradient divide factors] in reduce_op.py.
+
+[Note: Gradients of parameters used on some ranks]
+Conditional computation (a mixture of experts routing to expert ``b`` on rank
+0 only, a multi-modal branch) leaves some trainable parameters of a group
+without a gradient on some ranks. Reducing only the gradients present would
+give the ranks reduce-scatters of different sizes (gloo aborts, NCCL hangs or
+mixes buffers). By default we give DDP's result (``find_unused_parameters``):
+the mean over all ranks, counting zeros where a parameter was unused, and
+``grad is None`` where it was unused on *every* rank, so optimizers skip it.
+
+A rank that has at least one gradient of the group (it always takes part in
+the reduce-scatter, as before) fills zeros for every trainable, gathered
+parameter it has no gradient for, so every rank reduces the same parameters.
+Whether any rank had a gradient rides in the same reduce-scatter: each rank's
+block of the input ends with one presence flag per reduced parameter (1 if
+this rank had a gradient, 0 if it filled zeros), so the output ends with their
+mean (their sum under a ``SUM`` reduction, divided by the same factors as the
+gradients), which is zero exactly when no rank had one; with HSDP the
+all-reduce over the replicate group carries them too. That costs ``n``
+elements per rank block for ``n`` reduced parameters, no extra collective and
+no extra copy (the flags are one more input of the ``chunk_cat`` copy-in; the
+all-ones flags are cached). Only a rank that filled zeros reads its flags back
+(one device-to-host read, in the uncommon case) and leaves the gradient of a
+parameter whose flag is zero unset; a rank that had every gradient reads
+nothing, since its own gradient already makes each flag nonzero. Groups that
+reduce a single parameter carry no flag: every rank taking part has that
+gradient. Frozen parameters are never reduced. During gradient accumulation
+without sync the unsharded gradients (or the held ones) accumulate, so "had a
+gradient" means "in any micro-batch since the last reduction"; with HSDP and
+the all-reduce off, the shard-reduced flags are kept with the partial
+gradients and join the next all-reduce.
+
+What this cannot repair: a rank with *no* gradient for any parameter of the
+group (its module did not run, or none of its outputs reached the loss) skips
+the group's reduce-scatter, as upstream: a group must take part in backward
+on every rank or on none. ``set_reduce_scatter_unused_params(True)`` is
+upstream's behaviour: zeros for every trainable gathered parameter, on every
+rank, so a group reduces even on a rank with no gradient at all, and a
+parameter unused everywhere gets a zero gradient.
 """
 
 from __future__ import annotations
@@ -57,6 +96,43 @@ class GradientReduction:
             )
         self.reduce_scatter_process_group = new_groups[ranks]
 
+    def fill_unused_grads(
+        self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
+    ) -> set[FSDPParam] | None:
+        """Zeros for this rank's missing gradients; returns the parameters filled.
+
+        ``None`` (nothing filled) when this rank has no gradient in the group:
+        it takes no part in the reduction. See [Note: Gradients of parameters
+        used on some ranks].
+        """
+        missing = [i for i, grad in enumerate(grads) if grad is None]
+        if not missing:
+            return set()
+        if len(missing) == len(grads):
+            return None
+        filled = set()
+        for i in missing:
+            grads[i] = fsdp_params[i].zero_unsharded_grad()
+            if grads[i] is not None:
+                filled.add(fsdp_params[i])
+        return filled
+
+    def _presence_flags(
+        self, fsdp_params: list[FSDPParam], filled: set[FSDPParam], dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The ``(world size, n)`` flags input: 1 for this rank's own gradients, 0 for zeros."""
+        world_size = self.mesh_info.shard_mesh_size
+        if filled:
+            values = [0.0 if p in filled else 1.0 for p in fsdp_params]
+            return torch.tensor(values, dtype=dtype, device=device).expand(world_size, -1)
+        key = (len(fsdp_params), world_size, dtype, device)
+        cached = self._presence_ones
+        if cached is None or cached[0] != key:
+            ones = torch.ones(len(fsdp_params), dtype=dtype, device=device)
+            cached = self._presence_ones = (key, ones.expand(world_size, -1))
+        return cached[1]
+
     def zero_unused_grads(
         self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
     ) -> None:
@@ -85,7 +161,18 @@ class GradientReduction:
             self._reduce_plan = plan
         return plan
 
-    def _reduce_scatter(self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+    def _reduce_scatter(
+        self,
+        fsdp_params: list[FSDPParam],
+        grads: list[torch.Tensor],
+        filled: set[FSDPParam] | None = None,
+    ) -> None:
+        """Reduce ``grads`` onto ``fsdp_params``' sharded gradients.
+
+        ``filled``: with presence flags (see [Note: Gradients of parameters
+        used on some ranks]), the parameters whose gradient this rank filled
+        with zeros; ``None``: no flags.
+        """
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
         if not hsdp and self.all_reduce_hook is None and self.all_reduce_hook_stream is not None:
@@ -114,13 +201,17 @@ class GradientReduction:
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
+            flags = None
+            if filled is not None and len(fsdp_params) > 1:
+                flags = self._presence_flags(fsdp_params, filled, reduce_dtype, grads[0].device)
+            num_flags = 0 if flags is None else flags.size(1)
             comm = effective(self.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
-                numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
+                numel = world_size * (sum(p.padded_shard_numel for p in fsdp_params) + num_flags)
                 out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
             rs_input = collectives.reduce_scatter_input(
-                grads, fsdp_params, world_size, reduce_dtype, out=out
+                grads, fsdp_params, world_size, reduce_dtype, out=out, flags=flags
             )
             grads.clear()  # the copy-in is done: let the unsharded gradients go
             if plan.pre_factor is not None:
@@ -136,36 +227,65 @@ class GradientReduction:
             else:
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
+            # the hook, the cast and the split see the gradients only, as without flags
+            grads_out = output if flags is None else output[: output.numel() - num_flags]
             if self.all_reduce_hook is not None and not hsdp:
-                self._call_all_reduce_hook(output)
+                self._call_all_reduce_hook(grads_out)
             if plan.post_factor is not None:
                 output.div_(plan.post_factor)
             if hsdp:
-                if not self._all_reduce(output, fsdp_params):
+                if not self._all_reduce(output, fsdp_params, num_flags, filled):
                     return
                 if self.all_reduce_hook is not None:  # HSDP: after the all-reduce
-                    self._call_all_reduce_hook(output)
-            output = self._to_sharded_grad_storage(output, fsdp_params)
-            for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
-                p.accumulate_sharded_grad(local)
+                    self._call_all_reduce_hook(grads_out)
+            unused = ()
+            if flags is not None and filled:
+                unused = _unused_everywhere(output[-num_flags:], fsdp_params, filled)
+            grads_out = self._to_sharded_grad_storage(grads_out, fsdp_params)
+            locals_ = collectives.split_sharded_grads(grads_out, fsdp_params)
+            for p, local in zip(fsdp_params, locals_):
+                if p not in unused:
+                    p.accumulate_sharded_grad(local)
 
-    def _all_reduce(self, output: torch.Tensor, fsdp_params: list[FSDPParam]) -> bool:
+    def _all_reduce(
+        self,
+        output: torch.Tensor,
+        fsdp_params: list[FSDPParam],
+        num_flags: int = 0,
+        filled: set[FSDPParam] | None = None,
+    ) -> bool:
         """HSDP: average over the replicate group; returns whether gradients are final.
 
         With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
         gradients (in the reduce dtype) are kept aside, not set on ``.grad``,
-        and folded into the next all-reduce, as upstream does.
+        and folded into the next all-reduce, as upstream does; so are the
+        presence flags, and which parameters had a gradient on this rank
+        (removed from ``filled`` at the all-reduce).
         """
         locals_ = collectives.split_sharded_grads(output, fsdp_params)
+        flags = output[output.numel() - num_flags :] if num_flags else None
         if not self.all_reduce_grads:
             for p, local in zip(fsdp_params, locals_):
                 partial = self._partial_grads.get(p)
                 self._partial_grads[p] = local if partial is None else partial.add_(local)
+            if flags is not None:  # See [Note: Gradients of parameters used on some ranks]
+                for p, flag in zip(fsdp_params, flags):
+                    partial = self._partial_flags.get(p)
+                    self._partial_flags[p] = flag if partial is None else partial.add_(flag)
+                self._had_grad_since_all_reduce.update(p for p in fsdp_params if p not in filled)
             return False
         for p, local in zip(fsdp_params, locals_):
             partial = self._partial_grads.pop(p, None)
             if partial is not None:
                 local.add_(partial)
+        if flags is not None:
+            for p, flag in zip(fsdp_params, flags):
+                partial = self._partial_flags.pop(p, None)
+                if partial is not None:
+                    flag.add_(partial)
+            filled.difference_update(self._had_grad_since_all_reduce)
+        self._partial_flags.clear()
+        self._had_grad_since_all_reduce.clear()
         collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
         return True
 
@@ -208,3 +328,15 @@ class GradientReduction:
         with device_module.stream(stream):
             hook(output)
         current.wait_stream(stream)
+
+
+def _unused_everywhere(
+    flags: torch.Tensor, fsdp_params: list[FSDPParam], filled: set[FSDPParam]
+) -> set[FSDPParam]:
+    """Of the parameters this rank filled zeros for, those no rank had a gradient for.
+
+    Reads the reduced flags back (a device-to-host copy), only on a rank that
+    filled zeros; see [Note: Gradients of parameters used on some ranks].
+    """
+    values = flags.tolist()
+    return {p for i, p in enumerate(fsdp_params) if p in filled and values[i] == 0}
