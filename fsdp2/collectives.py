@@ -120,30 +120,25 @@ def reduce_scatter_input(
     world_size: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
-    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked, in ``dtype``).
 
     ``out`` (flat, e.g. from a custom comm's ``allocate``) receives it instead
-    of a new buffer. ``flags`` (``(world_size, n)``) end every rank's block:
-    see [Note: Gradients of parameters used on some ranks] in reduction.py.
+    of a new buffer.
     """
-    if len(grads) == 1 and out is None and flags is None:
+    if len(grads) == 1 and out is None:
         grad, param = grads[0], fsdp_params[0]
         even = param.padded_shard_numel * world_size == param.numel
         if param.shard_dim == 0 and grad.dtype == dtype and grad.is_contiguous() and even:
             return grad.view(-1)
     total = sum(p.padded_shard_numel for p in fsdp_params)
-    width = total + (0 if flags is None else flags.size(1))
     if out is not None:
-        flat = out.view(world_size, width)
+        flat = out.view(world_size, total)
     else:
-        flat = torch.empty((world_size, width), dtype=dtype, device=grads[0].device)
+        flat = torch.empty((world_size, total), dtype=dtype, device=grads[0].device)
     if all(p.shard_dim == 0 for p in fsdp_params):
-        chunk_cat(grads if flags is None else [*grads, flags], world_size, flat)
+        chunk_cat(grads, world_size, flat)
         return flat.view(-1)
-    if flags is not None:
-        flat[:, total:].copy_(flags)
     offset = 0
     for grad, p in zip(grads, fsdp_params):
         block = flat[:, offset : offset + p.padded_shard_numel]
@@ -163,5 +158,15 @@ def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> l
     offset = 0
     for p in fsdp_params:
         views.append(output[offset : offset + p.local_rows * p.row_numel].view(p.local_size))
+        offset += p.padded_shard_numel
+    return views
+
+
+def padded_blocks(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
+    """Views of each parameter's whole block (rows and padding) in the reduce-scatter output."""
+    views = []
+    offset = 0
+    for p in fsdp_params:
+        views.append(output[offset : offset + p.padded_shard_numel])
         offset += p.padded_shard_numel
     return views

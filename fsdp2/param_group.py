@@ -105,10 +105,6 @@ class FSDPParamGroup(GradientReduction):
         # HSDP: all-reduce gradients over the replicate group (off while accumulating)
         self.all_reduce_grads = True
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
-        # See [Note: Gradients of parameters used on some ranks] in reduction.py.
-        self._partial_flags: dict[FSDPParam, torch.Tensor] = {}
-        self._had_grad_since_all_reduce: set[FSDPParam] = set()
-        self._presence_ones: tuple[tuple, torch.Tensor] | None = None
         # Control surface (FSDPModule.set_*); see module.py.
         self.reduce_grads = True
         self.unshard_in_backward = True
@@ -487,7 +483,7 @@ class FSDPParamGroup(GradientReduction):
                 self.reshard()
             return
         taken = [p.take_unsharded_grad() for p in self.fsdp_params]
-        filled = None
+        filled: set[FSDPParam] = set()
         if self.reduce_scatter_unused_params:
             self.zero_unused_grads(self.fsdp_params, taken)
         elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:

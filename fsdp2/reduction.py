@@ -15,35 +15,38 @@ mixes buffers). By default we give DDP's result (``find_unused_parameters``):
 the mean over all ranks, counting zeros where a parameter was unused, and
 ``grad is None`` where it was unused on *every* rank, so optimizers skip it.
 
-A rank that has at least one gradient of the group (it always takes part in
-the reduce-scatter, as before) fills zeros for every trainable, gathered
-parameter it has no gradient for, so every rank reduces the same parameters.
-Whether any rank had a gradient rides in the same reduce-scatter: each rank's
-block of the input ends with one presence flag per reduced parameter (1 if
-this rank had a gradient, 0 if it filled zeros), so the output ends with their
-mean (their sum under a ``SUM`` reduction, divided by the same factors as the
-gradients), which is zero exactly when no rank had one; with HSDP the
-all-reduce over the replicate group carries them too. That costs ``n``
-elements per rank block for ``n`` reduced parameters, no extra collective and
-no extra copy (the flags are one more input of the ``chunk_cat`` copy-in; the
-all-ones flags are cached). Only a rank that filled zeros reads its flags back
-(one device-to-host read, in the uncommon case) and leaves the gradient of a
-parameter whose flag is zero unset; a rank that had every gradient reads
-nothing, since its own gradient already makes each flag nonzero. Groups that
-reduce a single parameter carry no flag: every rank taking part has that
-gradient. Frozen parameters are never reduced. During gradient accumulation
-without sync the unsharded gradients (or the held ones) accumulate, so "had a
-gradient" means "in any micro-batch since the last reduction"; with HSDP and
-the all-reduce off, the shard-reduced flags are kept with the partial
-gradients and join the next all-reduce.
+A rank that has at least one gradient of the group (it takes part in the
+reduce-scatter, as before) fills a gradient for every trainable, gathered
+parameter it has none for, so every rank reduces the same parameters, in the
+same collective as upstream with ``set_reduce_scatter_unused_params(True)``.
+The fill is ``-0.0`` instead of ``+0.0``, which carries the "had a gradient"
+bit in the values themselves at no cost: in IEEE arithmetic ``-0.0 + -0.0 =
+-0.0`` while ``-0.0 + x = x`` for every other ``x`` (``+0.0`` included), and
+scaling, casts and the average keep the sign. So a reduced element is ``-0.0``
+exactly when every rank filled it. The fill also covers the padding of the
+last chunks (its rows are rounded up to whole chunks), where the gradients
+of a rank that has them are always ``+0.0`` (``chunk_cat`` pads with zeros):
+in a block with padding the bit is exact. A rank that filled reads its
+blocks of those parameters back (one device-to-host read, only then) and
+leaves ``.grad`` unset where a block is all ``-0.0``; a rank that had every
+gradient reads nothing. Nothing is added to any collective: the bytes and
+the collectives are upstream's, and with every gradient present (the common
+case) nothing at all changes. With HSDP the all-reduce carries the sign the
+same way; with the all-reduce off (accumulation) the kept partial sums
+include the padding. Without sync, unsharded gradients accumulate, so "had
+a gradient" means "in any micro-batch since the last reduction".
 
-What this cannot repair: a rank with *no* gradient for any parameter of the
-group (its module did not run, or none of its outputs reached the loss) skips
-the group's reduce-scatter, as upstream: a group must take part in backward
-on every rank or on none. ``set_reduce_scatter_unused_params(True)`` is
-upstream's behaviour: zeros for every trainable gathered parameter, on every
-rank, so a group reduces even on a rank with no gradient at all, and a
-parameter unused everywhere gets a zero gradient.
+Limits: a block without padding relies on the rows alone, so a parameter
+whose real gradients are exactly ``-0.0`` in every element of a rank's rows
+(every term of every element a negative zero) is taken as unused there; a
+custom reduce-scatter comm must keep the sign of zero. A rank with *no*
+gradient for any parameter of the group (its module did not run, or none of
+its outputs reached the loss) skips the group's reduce-scatter, as upstream:
+a group must take part in backward on every rank or on none.
+``set_reduce_scatter_unused_params(True)`` is upstream's behaviour: ``+0.0``
+for every trainable gathered parameter, on every rank, so a group reduces even
+on a rank with no gradient at all, and a parameter unused everywhere gets a
+zero gradient.
 """
 
 from __future__ import annotations
@@ -98,40 +101,22 @@ class GradientReduction:
 
     def fill_unused_grads(
         self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
-    ) -> set[FSDPParam] | None:
-        """Zeros for this rank's missing gradients; returns the parameters filled.
+    ) -> set[FSDPParam]:
+        """Fill this rank's missing gradients with ``-0.0``; returns the parameters filled.
 
-        ``None`` (nothing filled) when this rank has no gradient in the group:
-        it takes no part in the reduction. See [Note: Gradients of parameters
+        Nothing is filled when this rank has no gradient in the group (it
+        takes no part in the reduction). See [Note: Gradients of parameters
         used on some ranks].
         """
         missing = [i for i, grad in enumerate(grads) if grad is None]
-        if not missing:
+        if not missing or len(missing) == len(grads):
             return set()
-        if len(missing) == len(grads):
-            return None
         filled = set()
         for i in missing:
-            grads[i] = fsdp_params[i].zero_unsharded_grad()
+            grads[i] = fsdp_params[i].negative_zero_grad()
             if grads[i] is not None:
                 filled.add(fsdp_params[i])
         return filled
-
-    def _presence_flags(
-        self, fsdp_params: list[FSDPParam], filled: set[FSDPParam], dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """The ``(world size, n)`` flags input: 1 for this rank's own gradients, 0 for zeros."""
-        world_size = self.mesh_info.shard_mesh_size
-        if filled:
-            values = [0.0 if p in filled else 1.0 for p in fsdp_params]
-            return torch.tensor(values, dtype=dtype, device=device).expand(world_size, -1)
-        key = (len(fsdp_params), world_size, dtype, device)
-        cached = self._presence_ones
-        if cached is None or cached[0] != key:
-            ones = torch.ones(len(fsdp_params), dtype=dtype, device=device)
-            cached = self._presence_ones = (key, ones.expand(world_size, -1))
-        return cached[1]
 
     def zero_unused_grads(
         self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
@@ -165,13 +150,12 @@ class GradientReduction:
         self,
         fsdp_params: list[FSDPParam],
         grads: list[torch.Tensor],
-        filled: set[FSDPParam] | None = None,
+        filled: set[FSDPParam] = frozenset(),
     ) -> None:
         """Reduce ``grads`` onto ``fsdp_params``' sharded gradients.
 
-        ``filled``: with presence flags (see [Note: Gradients of parameters
-        used on some ranks]), the parameters whose gradient this rank filled
-        with zeros; ``None``: no flags.
+        ``filled``: the parameters whose gradient this rank filled with
+        ``-0.0`` (see [Note: Gradients of parameters used on some ranks]).
         """
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
@@ -201,17 +185,13 @@ class GradientReduction:
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
-            flags = None
-            if filled is not None and len(fsdp_params) > 1:
-                flags = self._presence_flags(fsdp_params, filled, reduce_dtype, grads[0].device)
-            num_flags = 0 if flags is None else flags.size(1)
             comm = effective(self.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
-                numel = world_size * (sum(p.padded_shard_numel for p in fsdp_params) + num_flags)
+                numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
                 out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
             rs_input = collectives.reduce_scatter_input(
-                grads, fsdp_params, world_size, reduce_dtype, out=out, flags=flags
+                grads, fsdp_params, world_size, reduce_dtype, out=out
             )
             grads.clear()  # the copy-in is done: let the unsharded gradients go
             if plan.pre_factor is not None:
@@ -227,23 +207,18 @@ class GradientReduction:
             else:
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
-            # the hook, the cast and the split see the gradients only, as without flags
-            grads_out = output if flags is None else output[: output.numel() - num_flags]
             if self.all_reduce_hook is not None and not hsdp:
-                self._call_all_reduce_hook(grads_out)
+                self._call_all_reduce_hook(output)
             if plan.post_factor is not None:
                 output.div_(plan.post_factor)
             if hsdp:
-                if not self._all_reduce(output, fsdp_params, num_flags, filled):
+                if not self._all_reduce(output, fsdp_params, filled):
                     return
                 if self.all_reduce_hook is not None:  # HSDP: after the all-reduce
-                    self._call_all_reduce_hook(grads_out)
-            unused = ()
-            if flags is not None and filled:
-                unused = _unused_everywhere(output[-num_flags:], fsdp_params, filled)
-            grads_out = self._to_sharded_grad_storage(grads_out, fsdp_params)
-            locals_ = collectives.split_sharded_grads(grads_out, fsdp_params)
-            for p, local in zip(fsdp_params, locals_):
+                    self._call_all_reduce_hook(output)
+            unused = _unused_everywhere(output, fsdp_params, filled) if filled else ()
+            output = self._to_sharded_grad_storage(output, fsdp_params)
+            for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
                 if p not in unused:
                     p.accumulate_sharded_grad(local)
 
@@ -251,41 +226,25 @@ class GradientReduction:
         self,
         output: torch.Tensor,
         fsdp_params: list[FSDPParam],
-        num_flags: int = 0,
-        filled: set[FSDPParam] | None = None,
+        filled: set[FSDPParam] = frozenset(),
     ) -> bool:
         """HSDP: average over the replicate group; returns whether gradients are final.
 
         With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
         gradients (in the reduce dtype) are kept aside, not set on ``.grad``,
-        and folded into the next all-reduce, as upstream does; so are the
-        presence flags, and which parameters had a gradient on this rank
-        (removed from ``filled`` at the all-reduce).
+        and folded into the next all-reduce, as upstream does; the padding is
+        kept with them (see [Note: Gradients of parameters used on some ranks]).
         """
-        locals_ = collectives.split_sharded_grads(output, fsdp_params)
-        flags = output[output.numel() - num_flags :] if num_flags else None
+        blocks = collectives.padded_blocks(output, fsdp_params)
         if not self.all_reduce_grads:
-            for p, local in zip(fsdp_params, locals_):
+            for p, block in zip(fsdp_params, blocks):
                 partial = self._partial_grads.get(p)
-                self._partial_grads[p] = local if partial is None else partial.add_(local)
-            if flags is not None:  # See [Note: Gradients of parameters used on some ranks]
-                for p, flag in zip(fsdp_params, flags):
-                    partial = self._partial_flags.get(p)
-                    self._partial_flags[p] = flag if partial is None else partial.add_(flag)
-                self._had_grad_since_all_reduce.update(p for p in fsdp_params if p not in filled)
+                self._partial_grads[p] = block if partial is None else partial.add_(block)
             return False
-        for p, local in zip(fsdp_params, locals_):
+        for p, block in zip(fsdp_params, blocks):
             partial = self._partial_grads.pop(p, None)
             if partial is not None:
-                local.add_(partial)
-        if flags is not None:
-            for p, flag in zip(fsdp_params, flags):
-                partial = self._partial_flags.pop(p, None)
-                if partial is not None:
-                    flag.add_(partial)
-            filled.difference_update(self._had_grad_since_all_reduce)
-        self._partial_flags.clear()
-        self._had_grad_since_all_reduce.clear()
+                block.add_(partial)
         collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
         return True
 
@@ -331,12 +290,16 @@ class GradientReduction:
 
 
 def _unused_everywhere(
-    flags: torch.Tensor, fsdp_params: list[FSDPParam], filled: set[FSDPParam]
+    output: torch.Tensor, fsdp_params: list[FSDPParam], filled: set[FSDPParam]
 ) -> set[FSDPParam]:
-    """Of the parameters this rank filled zeros for, those no rank had a gradient for.
+    """Of the parameters this rank filled, those whose reduced block is all ``-0.0``.
 
-    Reads the reduced flags back (a device-to-host copy), only on a rank that
-    filled zeros; see [Note: Gradients of parameters used on some ranks].
+    One device-to-host read, only on a rank that filled; see [Note: Gradients
+    of parameters used on some ranks].
     """
-    values = flags.tolist()
-    return {p for i, p in enumerate(fsdp_params) if p in filled and values[i] == 0}
+    blocks = collectives.padded_blocks(output, fsdp_params)
+    checked = [(p, block) for p, block in zip(fsdp_params, blocks) if p in filled]
+    verdicts = torch.stack(
+        [torch.signbit(block).all() & (block == 0).all() for _, block in checked]
+    ).tolist()
+    return {p for (p, _), unused in zip(checked, verdicts) if unused}
