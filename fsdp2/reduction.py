@@ -36,23 +36,37 @@ same way; with the all-reduce off (accumulation) the kept partial sums
 include the padding. Without sync, unsharded gradients accumulate, so "had
 a gradient" means "in any micro-batch since the last reduction".
 
-Limits: a block without padding relies on the rows alone, so a parameter
-whose real gradients are exactly ``-0.0`` in every element of a rank's rows
-(every term of every element a negative zero) is taken as unused there; a
-custom reduce-scatter comm must keep the sign of zero. A rank with *no*
-gradient for any parameter of the group (its module did not run, or none of
-its outputs reached the loss) skips the group's reduce-scatter, as upstream:
-a group must take part in backward on every rank or on none.
-``set_reduce_scatter_unused_params(True)`` is upstream's behaviour: ``+0.0``
-for every trainable gathered parameter, on every rank, so a group reduces even
-on a rank with no gradient at all, and a parameter unused everywhere gets a
-zero gradient.
+A group of several modules (``fully_shard([norm, head])``) may run in parts:
+the chunked-loss pattern calls ``head`` alone once per chunk, with a backward
+each, while the root's forward ran ``norm`` alone (see [Note: Groups run in
+parts] in state.py). Every rank then lacks ``norm``'s gradient in a ``head``
+use, and upstream reduces ``head``'s only. So a rank fills only parameters of
+the group's modules (the ones passed to ``fully_shard``) that ran in the use
+being reduced: the use's set of modules rides on its post-backward node, and
+a use whose inputs need no grad (no node) is kept on the group until the
+end-of-backward post-backward. A group of one module fills every parameter.
+
+Limits: a module of a group of several that runs on some ranks only in a use
+is the "group on some ranks only" error below. A block without padding relies
+on the rows alone, so a parameter whose real gradients are exactly ``-0.0`` in
+every element of a rank's rows (every term of every element a negative zero)
+is taken as unused there; a custom reduce-scatter comm must keep the sign of
+zero. A rank with *no* gradient for any parameter of the group (its module did
+not run, or none of its outputs reached the loss) skips the group's reduce-
+scatter, as upstream: a group must take part in backward on every rank or on
+none. ``set_reduce_scatter_unused_params(True)`` is upstream's behaviour:
+``+0.0`` for every trainable gathered parameter, on every rank, so a group
+reduces even on a rank with no gradient at all, and a parameter unused
+everywhere gets a zero gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from . import collectives
 from .comm_memory import effective
@@ -100,17 +114,25 @@ class GradientReduction:
         self.reduce_scatter_process_group = new_groups[ranks]
 
     def fill_unused_grads(
-        self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
+        self,
+        fsdp_params: list[FSDPParam],
+        grads: list[torch.Tensor | None],
+        ran: Collection[nn.Module] | None = None,
     ) -> set[FSDPParam]:
         """Fill this rank's missing gradients with ``-0.0``; returns the parameters filled.
 
         Nothing is filled when this rank has no gradient in the group (it
-        takes no part in the reduction). See [Note: Gradients of parameters
-        used on some ranks].
+        takes no part in the reduction). ``ran``: for a group of several
+        modules, the modules run in the use being reduced; only their
+        parameters are filled (``None``: every parameter). See [Note:
+        Gradients of parameters used on some ranks].
         """
         missing = [i for i, grad in enumerate(grads) if grad is None]
         if not missing or len(missing) == len(grads):
             return set()
+        if ran is not None:
+            inside = _params_of(fsdp_params, ran)
+            missing = [i for i in missing if fsdp_params[i] in inside]
         filled = set()
         for i in missing:
             grads[i] = fsdp_params[i].negative_zero_grad()
@@ -303,3 +325,9 @@ def _unused_everywhere(
         [torch.signbit(block).all() & (block == 0).all() for _, block in checked]
     ).tolist()
     return {p for (p, _), unused in zip(checked, verdicts) if unused}
+
+
+def _params_of(fsdp_params: list[FSDPParam], modules: Collection[nn.Module]) -> set[FSDPParam]:
+    """The parameters held by ``modules`` or their submodules (tied ones by any holder)."""
+    holders = {sub for module in modules for sub in module.modules()}
+    return {p for p in fsdp_params if any(m in holders for m, _ in p.module_infos)}

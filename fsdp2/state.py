@@ -270,15 +270,20 @@ class FSDPState:
         starts_use = not self._modules_to_run
         if len(self.modules) > 1 and starts_use:
             self._modules_to_run.update(self.modules)
+        use = None
         if group is not None:
             starts_use = group.training_state != TrainingState.FORWARD
             group.pre_forward()  # every module: the group may have been resharded since
+            use = group.record_module_run(module, starts_use)
         if not starts_use:
             return cast
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
         if group is not None and torch.is_grad_enabled():
-            return _register_post_backward(group, args, kwargs) or cast
+            hooked = _register_post_backward(group, args, kwargs, use)
+            if hooked is None:
+                group.add_use_without_node(use)
+            return hooked or cast
         return cast
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -372,15 +377,15 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor
+        ctx: Any, group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+        ctx.group, ctx.use = group, use
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward()
-        return (None, *grads)
+        ctx.group.post_backward(ctx.use)
+        return (None, None, *grads)
 
 
 class _PostBackwardInTransform(torch.autograd.Function):
@@ -395,27 +400,37 @@ class _PostBackwardInTransform(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        group: FSDPParamGroup, *inputs: torch.Tensor
+        group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         return inputs
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[0]
+        ctx.group, ctx.use = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward()
-        return (None, *grads)
+        ctx.group.post_backward(ctx.use)
+        return (None, None, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore
+    def jvp(  # type: ignore[override]
+        ctx: Any, _group: Any, _use: Any, *tangents: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return tangents
 
 
 def _register_post_backward(
-    group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    group: FSDPParamGroup,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    use: set[nn.Module] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Hook the post-backward of this use on its inputs; ``None`` if none needs grad.
+
+    ``use``: the modules run in this use (groups of several), handed to the
+    post-backward; see [Note: Gradients of parameters used on some ranks].
+    """
     flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
     leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
     positions = [
@@ -424,7 +439,7 @@ def _register_post_backward(
     if not positions:
         return None
     function = _PostBackwardInTransform if functorch_active() else _PostBackward
-    outputs = function.apply(group, *(leaves[i] for i in positions))
+    outputs = function.apply(group, use, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)

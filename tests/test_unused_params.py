@@ -7,7 +7,8 @@ reference of the per-rank losses (the mean over ranks, zeros where an expert
 was unused, ``grad is None`` for expert 3, as DDP with
 ``find_unused_parameters=True``) for 3 AdamW steps: fp32 on W = 2, 3 and 4,
 with a bf16 reduce, on an HSDP 2x2 mesh, with gradient accumulation without
-sync (and, on HSDP, without the all-reduce) and with CPU offload. A step costs one reduce-scatter
+sync (and, on HSDP, without the all-reduce), with CPU offload and with the
+block grouped with the head (``fully_shard([block, head])``). A step costs one reduce-scatter
 per group and nothing else, of exactly the trainable parameters' padded size
 (frozen parameters add nothing).
 
@@ -77,13 +78,14 @@ def _loss(model, x, y, rank, step, world_size, micro=0):
     return nn.functional.mse_loss(model(xs, route), ys)
 
 
-def _shard(model, mesh, **kwargs):
-    fully_shard(model.block, mesh=mesh, **kwargs)
+def _shard(model, mesh, grouped=False, **kwargs):
+    """The block in a group of its own, or with the head (``fully_shard([block, head])``)."""
+    fully_shard([model.block, model.head] if grouped else model.block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 
-def _train_case(hsdp=False, micro_batches=1, rtol=1e-5, atol=1e-6, **kwargs):
+def _train_case(hsdp=False, micro_batches=1, rtol=1e-5, atol=1e-6, grouped=False, **kwargs):
     """3 AdamW steps against the single-process reference of the per-rank losses.
 
     With micro-batches, the earlier ones skip the gradient sync (FSDP) or only
@@ -99,7 +101,7 @@ def _train_case(hsdp=False, micro_batches=1, rtol=1e-5, atol=1e-6, **kwargs):
             init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world_size,))
         )
-        _shard(model, mesh, **kwargs)
+        _shard(model, mesh, grouped, **kwargs)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(STEPS):
@@ -195,6 +197,8 @@ def _cases(world_size: int) -> dict:
             no_sync=_train_case(micro_batches=2),
             offload=_train_case(offload_policy=CPUOffloadPolicy(pin_memory=False)),
             one_reduce_scatter=_one_reduce_scatter_per_group,
+            grouped=_train_case(grouped=True),
+            grouped_no_sync=_train_case(grouped=True, micro_batches=2),
         )
     if world_size == 4:
         cases.update(
@@ -223,6 +227,13 @@ def test_moe_matches_reference(world_size):
 @pytest.mark.parametrize("case", ["bf16_reduce", "no_sync", "offload"])
 def test_moe_variants(case):
     """The MoE reference with a bf16 reduce, no-sync accumulation, CPU offload (W = 2)."""
+    check_case(_launch(2), case)
+
+
+@fsdp2_only
+@pytest.mark.parametrize("case", ["grouped", "grouped_no_sync"])
+def test_moe_in_group_of_several_modules(case):
+    """fully_shard([block, head]): the block's unused experts are still filled (W = 2)."""
     check_case(_launch(2), case)
 
 
