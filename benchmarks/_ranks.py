@@ -5,7 +5,10 @@ that each set ``torch.set_num_threads(1)``, join a real gloo group (or, with
 ``backend="fake"``, one process joins torch's fake process group of
 ``world_size`` ranks, where collectives are no-ops), run
 ``fn(rank, world_size, *args)`` and send its (picklable) result back through
-a pipe. Any failure or timeout kills every rank and raises ``RankFailure``
+a pipe. ``backend="nccl"`` (GPU benchmarks) puts rank ``r`` on GPU ``r`` with
+NCCL for CUDA tensors and gloo for CPU ones; ``start_method="spawn"`` (needed
+wherever a rank uses CUDA, which does not survive ``fork``) takes module-level
+functions and picklable arguments. Any failure or timeout kills every rank and raises ``RankFailure``
 with the ranks' tracebacks, so a benchmark never hangs the run.
 """
 
@@ -32,7 +35,15 @@ def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        if backend == "fake":
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world_size,
+                device_id=device,
+            )
+        elif backend == "fake":
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -56,9 +67,10 @@ def launch(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 300.0,
+    start_method: str = "fork",
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; the list of per-rank results."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     nprocs = 1 if backend == "fake" else world_size
     tmp = tempfile.mkdtemp(prefix="fsdp2_bench_")
     store_path = os.path.join(tmp, "store")

@@ -10,6 +10,9 @@ overhead per layer = (time of the sharded model - time of the unsharded one)
 At W = 1 on a real gloo group the collectives are real (but trivial). Under
 torch's fake process group (W = 8) collectives do nothing at all, so what is
 left is Python and dispatch cost; the gathered values are garbage there.
+On a GPU (``device_type="cuda"``, benchmarks/gpu.py) the kernels of such tiny
+layers take less time than launching them, so the iteration time is still
+host time; each iteration ends with a synchronize outside the timer.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import time
 
 import torch
 import torch.nn as nn
-from common import FSDP_IMPLS, cpu_mesh, fully_shard_of, rotated
+from common import FSDP_IMPLS, fully_shard_of, rotated
+from torch.distributed.device_mesh import init_device_mesh
 
 
 def _tiny_model(impl: str, n_layers: int, mesh) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(n_layers)))
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(n_layers))).to(mesh.device_type)
     if impl != "plain":
         fully_shard = fully_shard_of(impl)
         for layer in model:
@@ -40,11 +44,19 @@ def _iteration(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
 
 
-def hooks_body(rank: int, world_size: int, n_layers: int, reps: int, profile: bool) -> dict:
-    mesh = cpu_mesh()
+def hooks_body(
+    rank: int,
+    world_size: int,
+    n_layers: int,
+    reps: int,
+    profile: bool,
+    device_type: str = "cpu",
+) -> dict:
+    mesh = init_device_mesh(device_type, (world_size,))
     names = ["plain", *FSDP_IMPLS]
     models = {name: _tiny_model(name, n_layers, mesh) for name in names}
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, device=device_type)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in names}
     for model in models.values():  # warm-up: lazy init, first-call caches
         for _ in range(3):
@@ -56,9 +68,11 @@ def hooks_body(rank: int, world_size: int, n_layers: int, reps: int, profile: bo
         for i in range(reps):
             for name in rotated(names, i):
                 model = models[name]
+                sync()
                 t0 = time.perf_counter()
                 _iteration(model, x)
                 times[name].append(time.perf_counter() - t0)
+                sync()
                 model.zero_grad(set_to_none=True)
     finally:
         gc.enable()

@@ -28,6 +28,7 @@ from _ranks import launch  # noqa: E402
 from bench_bytes import bytes_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
+from bench_pipeline import pipeline_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, model_source  # noqa: E402
 from report import markdown, write_json, write_png  # noqa: E402
@@ -123,7 +124,11 @@ def main() -> None:
                 timeout=cfg["timeout"],
             )[0],
         ),
+        ("pipeline", lambda: launch(pipeline_body, 4, cfg, timeout=cfg["timeout"])),
     ]
+    only = os.environ.get("FSDP2_BENCH_ONLY")  # e.g. "pipeline": run one part while developing
+    if only:
+        stages = [(name, stage) for name, stage in stages if name in only.split(",")]
     for name, stage in stages:
         t0 = time.monotonic()
         print(f"[{time.monotonic() - started:6.1f}s] {name} ...", flush=True)

@@ -197,6 +197,26 @@ def _bytes_rows(raw: dict) -> list[dict]:
     return rows
 
 
+def _pipeline_rows(raw: dict) -> list[dict]:
+    """PP x FSDP (bench_pipeline.py): the busiest rank's collectives and bytes per step."""
+    per_rank = raw.get("pipeline")
+    if not per_rank or "error" in per_rank:
+        return []
+    rows = []
+    for schedule in per_rank[0]:
+        busiest = {
+            impl: tuple(max(r[schedule][impl][i] for r in per_rank) for i in (0, 1))
+            for impl in ("fsdp2", "torch", "plain")
+        }
+        calls = {k: v[0] for k, v in busiest.items()}
+        sent = {k: v[1] / MB for k, v in busiest.items()}
+        rows.append(ratio_row(f"PP x FSDP, {schedule}: collectives/step",
+                              calls["fsdp2"], calls["torch"], calls["plain"]))
+        rows.append(ratio_row(f"PP x FSDP, {schedule}: bytes sent/step (MB)",
+                              sent["fsdp2"], sent["torch"], sent["plain"]))
+    return rows
+
+
 NOTES = """\
 - ratio = fsdp2 / torch of the two columns (lower is better); MB = 10^6 bytes; per rank.
 - DDP/ref: DDP for step time, bytes, memory and optimizer rows; for hook rows the
@@ -213,13 +233,19 @@ NOTES = """\
 - materialization rows: a model built on meta, sharded (81 fully_shard calls) and then
   to_empty(device="cpu") and reset_parameters() of every Linear/Embedding/RMSNorm, at
   W=1024 under torch's fake process group (bench_materialize.py); medians over repetitions.
+- PP x FSDP rows: W=4 as (pp=2, dp=2), 8 micro-batches, second step, busiest rank
+  (bench_pipeline.py): all-gathers + reduce-scatters + all-reduces, and the bytes a rank sends
+  in them; fsdp2 with fsdp2.pipelining.PipelineStage, torch with its own stage and
+  fully_shard; ref = fsdp2's modules under torch's plain PipelineStage.
 - optimizer rows: the fsdp2 column uses fsdp2.enable_local_shard_step (bitwise the same
   AdamW update) and fsdp2.clip_grad_norm_; torch and DDP the stock torch functions."""
 
 
 def build_rows(raw: dict) -> list[dict]:
     rows = []
-    for make in (_step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows):
+    for make in (
+        _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows
+    ):
         try:
             rows += make(raw)
         except (KeyError, TypeError, ValueError) as exc:  # a failed stage: skip its rows

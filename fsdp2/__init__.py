@@ -12,6 +12,8 @@ from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, sha
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
+from .summon import summon_full_params
+from .wrap import shard_model
 
 __all__ = [
     # torch.distributed.fsdp's public API, same names and signatures
@@ -36,5 +38,7 @@ __all__ = [
     "patch_torch",
     "save_checkpoint",
     "set_full_state_dict",
+    "shard_model",
+    "summon_full_params",
 ]
 __version__ = "0.1.0"

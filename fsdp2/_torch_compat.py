@@ -3,6 +3,16 @@
 Each helper names the private symbol it wraps and the torch versions it was
 checked on. If a future torch release moves one of these, this is the only
 file that changes.
+
+torch 2.11 (the GPU machine's): audited by reading, not yet run. Every symbol
+below predates 2.11 (the newest are ``DeviceMesh._concatenate``, symmetric
+memory's ``set_backend`` / ``get_mem_pool`` and ``torch.cuda.use_mem_pool``,
+all 2.9) or is looked up with a fallback (``Backend.supports_tensor_alloc``,
+``DeviceMesh._concatenate``); the public collectives fall back from
+``all_gather_single`` / ``reduce_scatter_single`` (2.13) to
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``. What 2.11 lacks is
+upstream's ``DataParallelMeshDims`` and ``share_comm_ctx`` (2.12 / 2.13):
+fsdp2 has its own, and only recognises upstream's where torch has it.
 """
 
 from __future__ import annotations
@@ -366,3 +376,42 @@ def symm_mem_rendezvous(tensor: torch.Tensor, group: Any) -> None:
     from torch.distributed import _symmetric_memory
 
     _symmetric_memory.rendezvous(tensor, group=group.group_name)
+
+
+def after_stage_metadata_inference(stage_cls: type, fn: Callable[[Any], None]) -> None:
+    """Make ``stage_cls`` (a ``PipelineStage`` subclass) call ``fn(stage)`` after metadata inference.
+
+    torch 2.13's ``PipelineStage`` infers shapes on the first step by running
+    one real forward and backward, then cleans up upstream's FSDP modules in
+    ``_PipelineStageBase._post_metadata_inference_cleanup`` (torch 2.13; absent
+    before, where nothing is inferred this way and ``fn`` is never needed).
+    """
+    name = "_post_metadata_inference_cleanup"
+    base = getattr(stage_cls, name, None)
+    if base is None:
+        return
+
+    def cleanup(self: Any) -> None:
+        base(self)
+        fn(self)
+
+    setattr(stage_cls, name, cleanup)
+
+
+def run_module_wrap_policy(
+    policy: Any, root: nn.Module, root_kwargs: dict[str, Any]
+) -> dict[nn.Module, dict[str, Any]] | None:
+    """The modules an FSDP1 policy object selects, with each one's keyword arguments.
+
+    FSDP1's module-level policies (``ModuleWrapPolicy``, ``CustomPolicy``)
+    subclass ``torch.distributed.fsdp.wrap._Policy`` and answer
+    ``_run_policy(root, ignored_modules, root_kwargs)`` with ``{module:
+    kwargs}``; ``None`` for any other policy (the plain callables, which
+    ``shard_model`` walks itself). Wraps ``_Policy`` and ``_Policy._run_policy``
+    (torch 2.1 - 2.13).
+    """
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if not isinstance(policy, _Policy):
+        return None
+    return policy._run_policy(root, set(), dict(root_kwargs))

@@ -126,7 +126,8 @@ def _from_upstream(policy: object) -> object:
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
     if isinstance(policy, unpatched("OffloadPolicy")):
         return OffloadPolicy()
-    if isinstance(policy, unpatched("DataParallelMeshDims")):
+    upstream_dims = unpatched("DataParallelMeshDims")  # None before torch 2.12
+    if upstream_dims is not None and isinstance(policy, upstream_dims):
         return DataParallelMeshDims(shard=policy.shard, replicate=policy.replicate)
     return policy
 

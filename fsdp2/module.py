@@ -123,6 +123,19 @@ class FSDPModule:
         """
         self._fsdp_state().reset_iter_state()
 
+    def finish_backward(self) -> None:
+        """Run FSDP's post-backward for every group under this root now, then its end of backward.
+
+        For code that drives backward itself and reduces once after several
+        backwards, as pipeline schedules do (``fsdp2.pipelining``): after
+        backwards with ``set_requires_gradient_sync(False)``, turn sync back
+        on and call this to reduce-scatter the accumulated gradients once per
+        group (resharding per ``set_reshard_after_backward``), as a syncing
+        backward would have. Call it on the root (``RuntimeError``
+        otherwise); before the first forward it does nothing.
+        """
+        self._fsdp_state().finish_backward()
+
     # ---- schedule ---------------------------------------------------------------
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives, staged_collectives
+from ._force_collectives import skips_collectives
 from ._torch_compat import local_tensor, outside_functorch
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .comm_memory import effective
@@ -96,6 +97,8 @@ class FSDPParamGroup(GradientReduction):
         self.fsdp_params = fsdp_params
         self.modules = modules
         self.mesh_info = mesh_info
+        # One rank, nothing to communicate: see [Note: Forcing collectives on one rank]
+        self.alone = skips_collectives(mesh_info.shard_mesh_size)
         self.device = device
         self.reshard_after_forward = reshard_after_forward
         # Set only for reshard_after_forward=int: see [Note: Resharding to a smaller group ...]
@@ -156,7 +159,8 @@ class FSDPParamGroup(GradientReduction):
     # ---- buffers ------------------------------------------------------------
 
     @property
-    def _layout(self) -> FlatShardLayout:
+    def layout(self) -> FlatShardLayout:
+        """Where each parameter's shard sits in the group's flat buffer."""
         return self._flat.layout
 
     def _init_dtypes(self) -> None:
@@ -167,7 +171,7 @@ class FSDPParamGroup(GradientReduction):
         See [Note: Mixed precision cast points] in mixed_precision.py.
         """
         self._check_extensions()
-        layout = self._layout
+        layout = self.layout
         # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
         fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
@@ -274,6 +278,16 @@ class FSDPParamGroup(GradientReduction):
     def is_unsharded(self) -> bool:
         return self._is_unsharded
 
+    @property
+    def holds_gathered(self) -> bool:
+        """Unsharded, or an all-gather in flight, or some parameter not back on its shard."""
+        return (
+            self._is_unsharded
+            or self._pending_unshard is not None
+            or self._pending_staged is not None
+            or any(p.state != ShardedState.SHARDED for p in self.fsdp_params)
+        )
+
     @outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
@@ -283,15 +297,15 @@ class FSDPParamGroup(GradientReduction):
             self.adopt_params()
             self.check_materialized()
         world_size = self.mesh_info.shard_mesh_size
-        layout = self._layout
+        layout = self.layout
         if (
             self._has_extensions
-            or (effective(self.all_gather_comm) is not None and world_size > 1)
+            or (effective(self.all_gather_comm) is not None and not self.alone)
             or (layout.mixed and self._copy_in and self._post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
             return
-        if world_size == 1 and not self._copy_in:
+        if self.alone and not self._copy_in:
             # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
                 p.alias_shard()
@@ -346,6 +360,7 @@ class FSDPParamGroup(GradientReduction):
             self.mesh_info.shard_mesh_size,
             effective(self.all_gather_comm),
             async_op,
+            skip_collective=self.alone,
         )
         if not async_op:
             self.wait_for_unshard()
@@ -376,7 +391,7 @@ class FSDPParamGroup(GradientReduction):
         if work is not None:
             work.wait()
         self._post_forward_flat = None
-        params = self._layout.in_order(self.fsdp_params)
+        params = self.layout.in_order(self.fsdp_params)
         collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
@@ -416,9 +431,9 @@ class FSDPParamGroup(GradientReduction):
         info = self.post_forward_mesh_info
         num_blocks = self.mesh_info.shard_mesh_size // info.size
         start = info.rank * num_blocks
-        params = self._layout.in_order(self.fsdp_params)
+        params = self.layout.in_order(self.fsdp_params)
         blocks = [p.gathered_blocks(start, start + num_blocks) for p in params]
-        if self._layout.mixed:  # See [Note: Mixed-dtype groups]
+        if self.layout.mixed:  # See [Note: Mixed-dtype groups]
             blocks = [b.view(torch.uint8) for b in blocks]
         kept = torch.cat(blocks, dim=1)
         self.reshard()
@@ -519,7 +534,7 @@ class FSDPParamGroup(GradientReduction):
         del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
         if self.reshard_after_backward:
             self.reshard()
-        if self._layout.mixed:  # requires_grad may have changed since lazy init
+        if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
             self._reduce_scatter(with_grad, grads, filled)

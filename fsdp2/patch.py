@@ -56,12 +56,13 @@ _active = 0
 def unpatched(name: str) -> object:
     """``torch.distributed.fsdp.<name>`` as torch defines it, even while patched.
 
-    fsdp2 itself uses this to recognise upstream's policy objects.
+    fsdp2 itself uses this to recognise upstream's policy objects. ``None`` where
+    this torch lacks the name (``DataParallelMeshDims`` is new in torch 2.12).
     """
     from torch.distributed import fsdp
 
     with _lock:
-        return _originals.get((fsdp, name), getattr(fsdp, name))
+        return _originals.get((fsdp, name), getattr(fsdp, name, None))
 
 
 def _replacements() -> dict[str, object]:

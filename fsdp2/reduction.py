@@ -189,11 +189,13 @@ class GradientReduction:
                 "None; set a hook again before backward"
             )
         reduce_dtype = self.reduce_dtype or grads[0].dtype
-        if any(g.dtype != reduce_dtype for g in grads) and self.reduce_dtype is not None:
-            grads[:] = [g.to(reduce_dtype) for g in grads]  # held (accumulated) and fresh mixed
+        if len({g.dtype for g in grads}) > 1:  # held (accumulated) and fresh ones mixed
+            # one dtype for chunk_cat, which itself converts them to the reduce dtype
+            grads[:] = [g.to(reduce_dtype) for g in grads]
         plan = self._plan_for(reduce_dtype)  # see [Note: Gradient divide factors]
-        # One rank: SUM and AVG are the identity, so the collective can be skipped.
-        identity = world_size == 1 and plan.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+        # One rank: SUM and AVG are the identity, so the collective can be skipped
+        # (see [Note: Forcing collectives on one rank]).
+        identity = self.alone and plan.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
         with torch.no_grad():
             if (
                 identity

@@ -93,8 +93,13 @@ def all_gather(
     world_size: int,
     comm: AllGather | None,
     async_op: bool,
+    skip_collective: bool = False,
 ) -> StagedAllGather:
-    """Copy ``inputs`` (per parameter, 1-D) into this rank's block and all-gather."""
+    """Copy ``inputs`` (per parameter, 1-D) into this rank's block and all-gather.
+
+    ``skip_collective``: a shard group of one rank whose block is already the
+    whole output (see [Note: Forcing collectives on one rank]).
+    """
     flat = [t for ts in inputs for t in ts]
     as_bytes = len({t.dtype for t in flat}) > 1
     if as_bytes:
@@ -109,7 +114,7 @@ def all_gather(
     block = output.narrow(0, rank * total, total)
     torch.cat(flat, out=block)
     work = None
-    if world_size > 1:
+    if not skip_collective:
         if comm is not None:
             work = comm(output_tensor=output, input_tensor=block, group=group, async_op=async_op)
         else:

@@ -351,17 +351,30 @@ class FSDPState:
             ctx.iter_ctx.post_forward_order.clear()
         ctx.callback_queued = False
 
-    def reset_iter_state(self) -> None:
-        """Drop every per-iteration trace (after an exception in forward or backward)."""
+    def finish_backward(self) -> None:
+        """``FSDPModule.finish_backward``: every group's post-backward now, then the final callback."""
+        self._check_root("finish_backward")
+        if self.is_root is None:
+            return  # no forward ran yet: nothing to reduce
+        for state in self.root_ctx.all_states:
+            if state.param_group is not None:
+                state.param_group.post_backward()
+        self._final_callback()
+
+    def _check_root(self, method: str) -> None:
         if self.is_root is False:
             root = self.root_ctx.root.modules[0]
             where = self.param_group.module_fqn if self.param_group is not None else ""
             raise RuntimeError(
-                "reset_iter_state must be called on the root FSDP module\n"
-                f"reset_iter_state() was called on '{where or type(self.modules[0]).__name__}', "
+                f"{method} must be called on the root FSDP module\n"
+                f"{method}() was called on '{where or type(self.modules[0]).__name__}', "
                 "not on the root: call it on the "
                 f"{type(root).__name__} that fully_shard was applied to last (the model)"
             )
+
+    def reset_iter_state(self) -> None:
+        """Drop every per-iteration trace (after an exception in forward or backward)."""
+        self._check_root("reset_iter_state")
         if self.is_root is None:
             return  # no forward ran yet: nothing to reset
         for state in self.root_ctx.all_states:

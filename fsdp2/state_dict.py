@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .nested import map_tensors
+from .optim_keys import keyed_by_name
 from .rank0 import (
     MeshCopies,
     check_placements,
@@ -114,7 +115,12 @@ def set_full_state_dict(
 
     Only rank 0's ``model_state_dict`` / ``optim_state_dict`` are read (pass
     ``{}`` or ``None`` elsewhere); both are in the format of
-    :func:`get_full_state_dict`, e.g. a plain model's ``state_dict()``. Every
+    :func:`get_full_state_dict`, e.g. a plain model's ``state_dict()``, or
+    FSDP1's ``FULL_STATE_DICT`` model dict and ``FSDP.optim_state_dict``. An
+    optimizer state keyed by parameter index (a plain ``optimizer.state_dict()``,
+    or FSDP1's ``rekey_optim_state_dict(..., OptimStateKeyType.PARAM_ID, ...)``)
+    is accepted too: the indices of each saved parameter group name the
+    optimizer's parameters of that group, in order. Every
     key and shape is checked first: on any mismatch every rank raises the same
     ``ValueError`` naming the keys, and nothing is written. Then each tensor is
     sent from rank 0 into the shards (or broadcast, for plain tensors such as
@@ -138,6 +144,8 @@ def set_full_state_dict(
     plan, copies = None, None
     if on_rank0:
         try:
+            if optim is not None:  # See [Note: Index-keyed optimizer state] in optim_keys.py
+                optim_state_dict = keyed_by_name(optim_state_dict, optim, names)
             plan = _plan(targets, model_state_dict, strict, optim, optim_state_dict, names)
         except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
             if not collective:

@@ -10,9 +10,13 @@ Usage (``_body`` must be a module-level function; it is inherited through
         run_ranks(_body, 2, extra)
 
 Every rank runs ``fn(rank, world_size, *args)`` inside an initialized default
-process group.  The return values of all ranks come back as a list (they must
-be picklable).  If any rank raises, exits non-zero or the run exceeds
-``timeout`` seconds, all ranks are killed and :class:`RankError` is raised
+process group: gloo, or with ``backend="nccl"`` NCCL for CUDA tensors (gloo for
+CPU ones) with rank ``r`` on GPU ``r``. NCCL ranks start with ``spawn`` (CUDA
+does not survive ``fork``), so ``fn`` and ``args`` must then be picklable
+(module-level functions, ``functools.partial`` of them). The return values of
+all ranks come back as a list (they must be picklable). If any rank raises,
+exits non-zero or the run exceeds ``timeout`` seconds, all ranks are killed
+and :class:`RankError` is raised
 with every failing rank's traceback text.
 """
 
@@ -50,6 +54,7 @@ def _child(
     args: tuple,
     store_path: str,
     out_dir: str,
+    backend: str = "gloo",
 ) -> None:
     code = 0
     try:
@@ -60,7 +65,16 @@ def _child(
 
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        if backend == "nccl":
+            # CUDA tensors through NCCL, CPU ones (e.g. offloaded shards) through gloo
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world_size,
+                device_id=device,
+            )
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -108,11 +122,15 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return per-rank results."""
     __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper
-    _preload()
-    ctx = multiprocessing.get_context("fork")
+    if backend == "nccl":
+        ctx = multiprocessing.get_context("spawn")
+    else:
+        _preload()
+        ctx = multiprocessing.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="fsdp2_test_")
     store_path = os.path.join(tmp, "store")
     procs = []
@@ -120,7 +138,7 @@ def run_ranks(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, store_path, tmp),
+                args=(fn, rank, world_size, args, store_path, tmp, backend),
                 daemon=True,
             )
             p.start()

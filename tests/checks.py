@@ -197,15 +197,16 @@ def record_collectives():
 _LAUNCHES: dict = {}
 
 
-def launch_cases(key: object, world_size: int, cases: dict) -> tuple[bool, object]:
+def launch_cases(key: object, world_size: int, cases: dict, **launch) -> tuple[bool, object]:
     """Run ``cases`` (see ``run_cases``) in one launch per ``key``, reused by later tests.
 
     Returns ``(True, per-rank results)`` or ``(False, the launch's error text)``;
-    ``check_case`` turns one case's outcome into a pass or a failure.
+    ``check_case`` turns one case's outcome into a pass or a failure. ``launch``
+    goes to ``run_ranks`` (``timeout``, ``backend``).
     """
     if key not in _LAUNCHES:
         try:
-            _LAUNCHES[key] = (True, run_ranks(run_cases, world_size, cases))
+            _LAUNCHES[key] = (True, run_ranks(run_cases, world_size, cases, **launch))
         except RankError as e:
             _LAUNCHES[key] = (False, str(e))
     return _LAUNCHES[key]
