@@ -104,12 +104,13 @@ def _ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
 def _exchange_groups(groups: Sequence[FSDPParamGroup]) -> list[dist.ProcessGroup | None]:
     """The process groups the check runs over, in an order every rank shares (see the note)."""
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    union: set[int] = set()  # the ranks the meshes span (a 2-D mesh: more than its rows)
     for g in groups:
         info = g.mesh_info
+        union.update(info.mesh.mesh.flatten().tolist())
         for pg in (info.shard_process_group, info.replicate_process_group):
             if pg is not None:
                 by_ranks.setdefault(tuple(sorted(_ranks_of(pg))), pg)
-    union = set().union(*by_ranks) if by_ranks else set()
     if len(union) <= 1:
         return []
     if len(union) == dist.get_world_size():
