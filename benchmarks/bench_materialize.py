@@ -9,7 +9,10 @@ ranks. Three timings per implementation, interleaved over repetitions:
 * ``to_empty(device="cpu")``: this rank's shards become real (uninitialized) memory;
 * ``to_empty`` + ``reset_parameters()``: then every ``nn.Linear``, ``nn.Embedding``
   and ``nn.RMSNorm`` draws its values, as a training script initializing
-  weights after ``to_empty`` does (torchtitan's ``init_weights``).
+  weights after ``to_empty`` does (torchtitan's ``init_weights``);
+* the root's lazy init (what the first forward does before its first
+  all-gather), called directly; fsdp2's includes the check that every rank
+  shards the same model (fsdp2/divergence.py), timed on its own too.
 
 The fake process group's collectives do nothing, so this is Python, dispatch
 and memory work only; the shards are real: ~276 MB per rank, fp32.
@@ -54,10 +57,46 @@ def _one_run(impl: str, args, transformer, mesh) -> dict[str, float]:
     t2 = time.perf_counter()
     _reset_parameters(model)
     t3 = time.perf_counter()
+    lazy_init, check = _lazy_init_seconds(impl, model)
     numel = sum(p.to_local().numel() for p in model.parameters())
     del model
     gc.collect()
-    return {"fully_shard": t1 - t0, "to_empty": t2 - t1, "init": t3 - t2, "local_numel": numel}
+    return {
+        "fully_shard": t1 - t0, "to_empty": t2 - t1, "init": t3 - t2, "local_numel": numel,
+        "lazy_init": lazy_init, "divergence_check": check,
+    }
+
+
+def _lazy_init_seconds(impl: str, model: nn.Module) -> tuple[float, float]:
+    """The root's lazy init (private entry points: a benchmark, not library code)."""
+    if impl != "fsdp2":
+        t0 = time.perf_counter()
+        model._get_fsdp_state()._lazy_init()
+        return time.perf_counter() - t0, 0.0
+    from fsdp2 import divergence
+    from fsdp2.state import state_of
+
+    spent = []
+    check = divergence.check_same_model
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return check(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    state = state_of(model)
+    import fsdp2.state as state_module
+
+    state_module.check_same_model = timed
+    try:
+        t0 = time.perf_counter()
+        state._lazy_init()
+        total = time.perf_counter() - t0
+    finally:
+        state_module.check_same_model = check
+    return total, sum(spent)
 
 
 def materialize_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
@@ -65,7 +104,9 @@ def materialize_body(rank: int, world_size: int, shape: dict, reps: int) -> dict
     args, transformer = module.ModelArgs(**shape), module.Transformer
     mesh = cpu_mesh()
     times: dict[str, dict[str, list[float]]] = {
-        impl: {"fully_shard": [], "to_empty": [], "to_empty_init": []} for impl in FSDP_IMPLS
+        impl: {"fully_shard": [], "to_empty": [], "to_empty_init": [], "lazy_init": [],
+               "divergence_check": []}
+        for impl in FSDP_IMPLS
     }
     numel = {}
     for i in range(reps):
@@ -74,5 +115,7 @@ def materialize_body(rank: int, world_size: int, shape: dict, reps: int) -> dict
             times[impl]["fully_shard"].append(run["fully_shard"])
             times[impl]["to_empty"].append(run["to_empty"])
             times[impl]["to_empty_init"].append(run["to_empty"] + run["init"])
+            times[impl]["lazy_init"].append(run["lazy_init"])
+            times[impl]["divergence_check"].append(run["divergence_check"])
             numel[impl] = run["local_numel"]
     return {"times": times, "local_numel": numel, "world_size": world_size, "shape": shape}

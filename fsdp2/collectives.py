@@ -160,3 +160,13 @@ def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> l
         views.append(output[offset : offset + p.local_rows * p.row_numel].view(p.local_size))
         offset += p.padded_shard_numel
     return views
+
+
+def padded_blocks(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
+    """Views of each parameter's whole block (rows and padding) in the reduce-scatter output."""
+    views = []
+    offset = 0
+    for p in fsdp_params:
+        views.append(output[offset : offset + p.padded_shard_numel])
+        offset += p.padded_shard_numel
+    return views

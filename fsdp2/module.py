@@ -335,13 +335,16 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Reduce zeros for trainable parameters that got no gradient in this backward.
+        """Reduce zeros for every trainable parameter that got no gradient in this backward.
 
-        Needed when ranks use different parameters (conditional computation:
-        mixture of experts, multi-modal branches): every rank then
-        reduce-scatters the same parameters, so the collectives match. Like
-        DDP's ``find_unused_parameters``. A parameter unused on every rank
-        gets a zero gradient instead of none.
+        Upstream's opt-in for ranks that use different parameters (mixture of
+        experts, multi-modal branches). fsdp2 already reduces such parameters
+        by default, as DDP's ``find_unused_parameters`` (a parameter unused on
+        every rank keeps ``grad is None``; see [Note: Gradients of parameters
+        used on some ranks] in reduction.py). With ``True`` every trainable
+        gathered parameter is reduced, even on a rank with no gradient in the
+        group at all, and a parameter unused on every rank gets a zero
+        gradient instead of none, as upstream.
         """
         _check_bool(
             reduce_scatter_unused_params,

@@ -549,6 +549,21 @@ class FSDPParam:
             return None
         return self._local_grad(torch.zeros_like(param))
 
+    def negative_zero_grad(self) -> torch.Tensor | None:
+        """``-0.0`` in the unsharded gradient's local layout, padded to whole chunks on dim 0.
+
+        For a trainable, gathered parameter that got no gradient on this rank;
+        see [Note: Gradients of parameters used on some ranks] in reduction.py.
+        """
+        param = self.unsharded_param
+        if param is None or not self.sharded_param.requires_grad:
+            return None
+        local = local_tensor(param) if isinstance(param, DTensor) else param
+        size = list(self.orig_size)
+        if self.shard_dim == 0:
+            size[0] = self.shard_rows * self.mesh_info.shard_mesh_size
+        return torch.full(size, -0.0, dtype=local.dtype, device=local.device)
+
     def hold_grad_in(self, dtype: torch.dtype) -> None:
         """Move the unsharded gradient aside, accumulated in ``dtype`` (no-sync micro-batches)."""
         param = self.unsharded_param

@@ -117,6 +117,12 @@ class FSDPParamGroup(GradientReduction):
         self._force_sum_reduction = False
         self._reduce_plan: ReducePlan | None = None
         self.training_state = TrainingState.IDLE
+        # Groups of several modules: the modules run in the current use, and those of
+        # the uses with no post-backward node of their own (inputs that need no grad)
+        # whose gradients are not reduced yet. See [Note: Gradients of parameters used
+        # on some ranks] in reduction.py.
+        self._use: set[nn.Module] | None = None
+        self._uses_without_node: list[set[nn.Module]] = []
         self.module_fqn = ""
         self.ctx = IterContext()
         self._post_forward_indices: list[int] = []
@@ -488,9 +494,28 @@ class FSDPParamGroup(GradientReduction):
         if target is not self:
             target.prefetch(in_backward=True)
 
-    def post_backward(self) -> None:
-        """Reshard and reduce-scatter the gradients of this use of the group."""
+    def record_module_run(self, module: nn.Module, starts_use: bool) -> set[nn.Module] | None:
+        """Note that ``module`` runs in this use; returns the use's modules (groups of several)."""
+        if len(self.modules) == 1:
+            return None
+        if starts_use or self._use is None:
+            self._use = set()
+        self._use.add(module)
+        return self._use
+
+    def add_use_without_node(self, use: set[nn.Module] | None) -> None:
+        """A use whose inputs need no grad: its gradients are reduced at the end of backward."""
+        if use is not None:
+            self._uses_without_node.append(use)
+
+    def post_backward(self, use: set[nn.Module] | None = None) -> None:
+        """Reshard and reduce-scatter the gradients of this use of the group.
+
+        ``use``: the modules run in the use whose backward this is (groups of
+        several modules; ``None``: every use not reduced yet).
+        """
         logger.debug("post_backward %s", self.module_fqn)
+        ran = self._take_use(use)
         self.training_state = TrainingState.POST_BACKWARD
         if not self.reduce_grads:
             self._hold_unsharded_grads()
@@ -498,8 +523,12 @@ class FSDPParamGroup(GradientReduction):
                 self.reshard()
             return
         taken = [p.take_unsharded_grad() for p in self.fsdp_params]
+        filled: set[FSDPParam] = set()
         if self.reduce_scatter_unused_params:
             self.zero_unused_grads(self.fsdp_params, taken)
+        elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:
+            # See [Note: Gradients of parameters used on some ranks] in reduction.py
+            filled = self.fill_unused_grads(self.fsdp_params, taken, ran)
         with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
         grads = [grad for grad in taken if grad is not None]
         del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
@@ -508,7 +537,15 @@ class FSDPParamGroup(GradientReduction):
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
         if grads:
-            self._reduce_scatter(with_grad, grads)
+            self._reduce_scatter(with_grad, grads, filled)
+
+    def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:
+        """The modules whose parameters a post-backward may fill (``None``: all)."""
+        if len(self.modules) == 1 or use is not None:
+            return use
+        ran = set().union(*self._uses_without_node)
+        self._uses_without_node.clear()
+        return ran
 
     def _hold_unsharded_grads(self) -> None:
         """Keep the unsharded gradients for the next backward to add to.
@@ -549,6 +586,8 @@ class FSDPParamGroup(GradientReduction):
             p.take_unsharded_grad()
         self.training_state = TrainingState.IDLE
         self._post_forward_indices.clear()
+        self._use = None
+        self._uses_without_node.clear()
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.module_fqn or '<root>'}, {len(self.fsdp_params)} params)"

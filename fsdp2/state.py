@@ -3,7 +3,9 @@
 [Note: One training step]
 root pre-forward   lazy init once (root, FQNs, no parameter in two groups,
                    meta and dtype checks, root keeps its
-                   parameters unsharded after forward unless told otherwise);
+                   parameters unsharded after forward unless told otherwise,
+                   every rank shards the same model: see [Note: Divergence
+                   check at lazy init] in divergence.py);
                    wait for the user's post-optimizer event, if one was set
 pre-forward        cast floating inputs (mixed precision); unshard the group;
                    start the all-gathers of the explicit forward prefetch
@@ -59,6 +61,7 @@ from ._torch_compat import (
 )
 from .api import MixedPrecisionPolicy
 from .comm_memory import check_max_input_buffers
+from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
@@ -171,9 +174,15 @@ class FSDPState:
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
         try:
-            check_shared_params(root_module, ctx.all_states, module_fqns)
-            for state in ctx.all_states:
-                state._lazy_init_group(module_fqns, ctx)
+            local_error = None
+            try:
+                check_shared_params(root_module, ctx.all_states, module_fqns)
+                for state in ctx.all_states:
+                    state._lazy_init_group(module_fqns, ctx)
+            except Exception as e:  # raised on every rank below; see [Note: Divergence check ...]
+                local_error = e
+            groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
+            check_same_model(type(root_module).__name__, groups, local_error)
         except BaseException:
             for state in ctx.all_states:
                 state.is_root = None  # the user may fix the error: lazy init runs again
@@ -261,15 +270,20 @@ class FSDPState:
         starts_use = not self._modules_to_run
         if len(self.modules) > 1 and starts_use:
             self._modules_to_run.update(self.modules)
+        use = None
         if group is not None:
             starts_use = group.training_state != TrainingState.FORWARD
             group.pre_forward()  # every module: the group may have been resharded since
+            use = group.record_module_run(module, starts_use)
         if not starts_use:
             return cast
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
         if group is not None and torch.is_grad_enabled():
-            return _register_post_backward(group, args, kwargs) or cast
+            hooked = _register_post_backward(group, args, kwargs, use)
+            if hooked is None:
+                group.add_use_without_node(use)
+            return hooked or cast
         return cast
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -376,15 +390,15 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor
+        ctx: Any, group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+        ctx.group, ctx.use = group, use
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward()
-        return (None, *grads)
+        ctx.group.post_backward(ctx.use)
+        return (None, None, *grads)
 
 
 class _PostBackwardInTransform(torch.autograd.Function):
@@ -399,27 +413,37 @@ class _PostBackwardInTransform(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        group: FSDPParamGroup, *inputs: torch.Tensor
+        group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         return inputs
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[0]
+        ctx.group, ctx.use = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward()
-        return (None, *grads)
+        ctx.group.post_backward(ctx.use)
+        return (None, None, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore
+    def jvp(  # type: ignore[override]
+        ctx: Any, _group: Any, _use: Any, *tangents: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         return tangents
 
 
 def _register_post_backward(
-    group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    group: FSDPParamGroup,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    use: set[nn.Module] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Hook the post-backward of this use on its inputs; ``None`` if none needs grad.
+
+    ``use``: the modules run in this use (groups of several), handed to the
+    post-backward; see [Note: Gradients of parameters used on some ranks].
+    """
     flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
     leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
     positions = [
@@ -428,7 +452,7 @@ def _register_post_backward(
     if not positions:
         return None
     function = _PostBackwardInTransform if functorch_active() else _PostBackward
-    outputs = function.apply(group, *(leaves[i] for i in positions))
+    outputs = function.apply(group, use, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)

@@ -11,7 +11,9 @@ implementation under test and upstream's ``fully_shard`` in the same threads,
 and the losses and parameters must equal upstream's to the bit and the
 single-process reference's to 1e-5. Models and data come from explicit
 generators (the default RNG is shared by all ranks). A hang fails the test
-after ``FSDP2_TEST_TIMEOUT`` seconds instead of stalling the suite.
+after ``FSDP2_TEST_TIMEOUT`` seconds instead of stalling the suite. The
+divergence check of lazy init (a model that differs on one thread rank)
+raises the same error on every thread rank.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from _impl import fully_shard
+from _impl import fsdp2_only, fully_shard
 from _multiproc import RankError, run_ranks
 from _threaded import run_threads
 from checks import assert_nested_close
@@ -88,6 +90,31 @@ def test_mlp_trains_on_threaded_group(world_size, layout, reshard):
             torch.tensor(ours[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
         )
         assert_nested_close(ours[1], ref_params, f"rank {rank} params vs reference")
+
+
+def _diverged(rank, world_size):
+    """Rank 1's hidden layer is narrower: the first forward raises; the group still works."""
+    model = _shard(MLP(hidden=12 if rank == 1 else 13), fully_shard, "per", True)
+    try:
+        model(torch.zeros(2, 7))
+        message = None
+    except ValueError as e:
+        message = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return message, t.item()
+
+
+@fsdp2_only  # upstream: mismatched collectives (a hang or an abort)
+def test_divergence_check_on_threaded_group():
+    """Ranks as threads: a model that differs on one rank raises the same ValueError on all."""
+    results = run_threads(_diverged, 4)
+    messages = {message for message, _ in results}
+    assert len(messages) == 1 and None not in messages, messages
+    message = messages.pop()
+    assert "in group 'in_proj', parameter 'in_proj.weight'" in message, message
+    assert "rank 1 differs from rank 0" in message and "shape (12, 7)" in message, message
+    assert [total for _, total in results] == [4.0] * 4
 
 
 def _hang(rank, world_size):
