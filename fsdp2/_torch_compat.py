@@ -441,3 +441,14 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensors_active() -> bool:
+    """Whether tensors made now are fake (a ``FakeTensorMode`` is active, or tracing uses one).
+
+    Such tensors have no data to compare or move (``fsdp2.plan``, memory
+    trackers, tracing). Wraps ``torch._guards.detect_fake_mode`` (torch 2.1 - 2.13).
+    """
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None

@@ -26,7 +26,8 @@ that covers all the ranks its meshes span, or, failing that, each of those
 groups in one global order, the vector accumulating (a 2-D mesh: rows, then
 columns). A rank whose slot stays 0 was not reached and is not compared (under
 torch's fake process group, whose collectives do nothing, only the own slot is
-filled: the check passes at no cost).
+filled: the check passes at no cost). Under a ``FakeTensorMode`` (``fsdp2.plan``,
+memory trackers) tensors hold no data, so there is nothing to compare: no check.
 
 A rank whose own lazy-init checks failed (parameters still on ``meta``, mixed
 dtypes, ...) takes part with a marker instead of its hash: it re-raises its
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._torch_compat import fake_tensors_active
 from .param_group import FSDPParamGroup
 
 logger = logging.getLogger("fsdp2.divergence")
@@ -132,7 +134,8 @@ def check_same_model(
     ``local_error``: this rank's own lazy-init failure, if any; it is
     re-raised here after the exchange. See [Note: Divergence check at lazy init].
     """
-    pgs = _exchange_groups(groups)
+    # Fake tensors (a FakeTensorMode: planning, memory tracking) hold no data to compare.
+    pgs = [] if fake_tensors_active() else _exchange_groups(groups)
     if not pgs:
         if local_error is not None:
             raise local_error
