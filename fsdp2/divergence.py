@@ -107,8 +107,8 @@ def _exchange_groups(groups: Sequence[FSDPParamGroup]) -> list[dist.ProcessGroup
     """The process groups the check runs over, in an order every rank shares (see the note)."""
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     union: set[int] = set()  # the ranks the meshes span (a 2-D mesh: more than its rows)
-    for g in groups:
-        info = g.mesh_info
+    meshes = {id(g.mesh_info.mesh): g.mesh_info for g in groups}  # most groups share one mesh
+    for info in meshes.values():
         union.update(info.mesh.mesh.flatten().tolist())
         for pg in (info.shard_process_group, info.replicate_process_group):
             if pg is not None:
