@@ -63,9 +63,11 @@ def group_fingerprint(group: FSDPParamGroup, meshes: dict[int, str]) -> dict[str
     key = id(mesh)
     if key not in meshes:  # formatted once per mesh: 1024 ranks are a long string
         names = tuple(mesh.mesh_dim_names or ())
+        ranks = mesh.mesh.flatten().tolist()
+        spans = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
         meshes[key] = (
             f"shape {tuple(mesh.mesh.shape)}" + (f" dims {names}" if names else "")
-            + f" ranks {mesh.mesh.flatten().tolist()}"
+            + (f" ranks {ranks[0]}..{ranks[-1]}" if spans else f" ranks {ranks}")
         )
     pf = group.post_forward_mesh_info
     mp = group.mp_policy
