@@ -57,14 +57,9 @@ _ACTIVE: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
 
 @contextlib.contextmanager
 def summon_full_params(
-    module: nn.Module,
-    *,
-    recurse: bool = True,
-    writeback: bool = True,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    with_grads: bool = False,
-) -> Iterator[None]:
+    module: nn.Module, *, recurse: bool = True, writeback: bool = True,
+    rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False,
+) -> Iterator[None]:  # FSDP1's keyword names and defaults, so calls port unchanged
     """Register the full parameters of ``module``'s FSDP groups for the duration of a ``with``.
 
     FSDP1's ``FullyShardedDataParallel.summon_full_params`` for ``fully_shard``
