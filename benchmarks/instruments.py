@@ -13,11 +13,10 @@ Nothing that runs inside a ``torch.distributed`` collective call is counted
 the collective. ``fsdp::all_gather_copy_in`` counts the bytes of its inputs
 (it writes only this rank's slot of the output it is given).
 
-``CommCounter`` wraps the ``torch.distributed`` collective functions on both
-``torch.distributed`` and ``torch.distributed.distributed_c10d`` (both libraries
-look them up there at call time). Bytes per call are the *logical* size on
-this rank: all-gather -> output bytes (W x input), reduce-scatter -> input
-bytes (W x output), all-reduce / broadcast -> tensor bytes.
+``CommCounter`` wraps the ``torch.distributed`` collective functions with the
+wrappers the planner uses (``fsdp2/plan/collective_calls.py``). Bytes per call
+are the *logical* size on this rank: all-gather -> output bytes (W x input),
+reduce-scatter -> input bytes (W x output), all-reduce / broadcast -> tensor bytes.
 
 ``LiveBytes`` tracks every tensor storage an op reads or writes (and storages
 resized with ``UntypedStorage.resize_``, which is how both libraries free and
@@ -28,17 +27,15 @@ dies. ``peak`` is the most bytes alive at once, checked after every op.
 from __future__ import annotations
 
 import collections
-import threading
 import weakref
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fsdp2._torch_compat import in_backward
+from fsdp2.plan.collective_calls import CollectiveCalls, call_tensors
 
 COPY_OPS = (
     "copy_",
@@ -126,20 +123,13 @@ class CopyCounter(TorchDispatchMode):
         return out
 
 
-_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
-_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
-_LISTS = ("all_gather", "reduce_scatter")
-_SINGLES = ("all_reduce", "broadcast")
-
-
 class CommCounter:
     """Context manager counting calls and logical bytes of ``torch.distributed`` collectives."""
 
     def __init__(self) -> None:
         self.bytes: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._local = threading.local()
+        self._calls = CollectiveCalls(self._count)
 
     @property
     def total(self) -> int:
@@ -148,51 +138,18 @@ class CommCounter:
     @property
     def inside(self) -> bool:
         """Whether this thread is inside a collective call right now."""
-        return getattr(self._local, "depth", 0) > 0
+        return self._calls.inside
 
-    def _size(self, name: str, args: tuple, kwargs: dict) -> int:
-        def arg(i: int, *keys: str):
-            for key in keys:
-                if key in kwargs:
-                    return kwargs[key]
-            return args[i]
-
-        if name in _GATHERS:
-            return _nbytes(arg(0, "output_tensor", "output"))
-        if name in _SCATTERS:
-            return _nbytes(arg(1, "input", "input_tensor"))
-        if name in _LISTS:  # list of W tensors: the gathered outputs / scattered inputs
-            tensors = arg(0, "tensor_list") if name == "all_gather" else arg(1, "input_list")
-            return sum(_nbytes(t) for t in tensors)
-        return _nbytes(arg(0, "tensor"))
-
-    def _wrap(self, name: str, orig):
-        def counted(*args, **kwargs):
-            if getattr(self._local, "depth", 0) == 0:  # outermost call only
-                self.bytes[name] += self._size(name, args, kwargs)
-                self.calls[name] += 1
-            self._local.depth = getattr(self._local, "depth", 0) + 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._local.depth -= 1
-
-        return counted
+    def _count(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.bytes[name] += call_tensors(name, args, kwargs)[1]
+        self.calls[name] += 1
 
     def __enter__(self) -> CommCounter:
-        c10d = dist.distributed_c10d
-        for name in _GATHERS + _SCATTERS + _LISTS + _SINGLES:
-            for module in (dist, c10d):
-                orig = getattr(module, name, None)
-                if orig is not None:
-                    self._saved.append((module, name, orig))
-                    setattr(module, name, self._wrap(name, orig))
+        self._calls.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for module, name, orig in reversed(self._saved):
-            setattr(module, name, orig)
-        self._saved.clear()
+        self._calls.__exit__(*exc)
 
 
 class LiveBytes(TorchDispatchMode):

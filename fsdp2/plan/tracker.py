@@ -18,16 +18,15 @@ reduce-scatter output becomes a gradient when the step assigns it to
 tag wins, see ``CATEGORIES``) and ``timeline()`` replays the events at the
 end to split live bytes by category at every point, including the peak.
 
-Collectives are counted like ``benchmarks/instruments.CommCounter`` (the
-*logical* bytes on this rank: all-gather output, reduce-scatter input,
-all-reduce tensor) by wrapping the ``torch.distributed`` functions, with the
+Collectives are counted as ``benchmarks/instruments.CommCounter`` counts them,
+through the same wrappers (``collective_calls.py``: the *logical* bytes on this
+rank: all-gather output, reduce-scatter input, all-reduce tensor), with the
 ranks of the group each one ran over (for the cost model). FLOPs per phase
 come from ``torch.utils.flop_counter``'s formulas, applied to local shapes.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +39,8 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp2._torch_compat import dispatch_mode_base, local_tensor
 
+from .collective_calls import KIND, CollectiveCalls, call_group, call_tensors, nbytes
+
 # Most specific first: a storage tagged with several keeps the first of these.
 CATEGORIES = (
     "parameters",  # sharded parameters (and buffers)
@@ -51,21 +52,6 @@ CATEGORIES = (
 )
 _RANK = {name: i for i, name in enumerate(CATEGORIES)}
 PHASES = ("setup", "forward", "backward", "optimizer")
-
-_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
-_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
-_LISTS = ("all_gather", "reduce_scatter")
-_SINGLES = ("all_reduce", "broadcast")
-KIND = {
-    **dict.fromkeys(_GATHERS + ("all_gather",), "all_gather"),
-    **dict.fromkeys(_SCATTERS + ("reduce_scatter",), "reduce_scatter"),
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -107,8 +93,7 @@ class StepTracker(dispatch_mode_base()):
         self.flops: Counter[str] = Counter()
         self.bytes_touched: Counter[str] = Counter()
         self.collectives: list[Collective] = []
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._local = threading.local()
+        self._calls = CollectiveCalls(self._record)
         self._orig_resize: Any = None
         self._comm_tag = True
 
@@ -171,7 +156,7 @@ class StepTracker(dispatch_mode_base()):
         touched = 0
         for t in _tensors((args, kwargs.values(), out)):
             self.see(t)
-            touched += _nbytes(t)
+            touched += nbytes(t)
         self.bytes_touched[self.phase] += touched
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
@@ -181,59 +166,17 @@ class StepTracker(dispatch_mode_base()):
     # ---- collectives ------------------------------------------------------
 
     def _record(self, name: str, args: tuple, kwargs: dict) -> None:
-        def arg(i: int, *keys: str):
-            for key in keys:
-                if key in kwargs:
-                    return kwargs[key]
-            return args[i] if i < len(args) else None
-
-        if name in _GATHERS:
-            tensors = [arg(0, "output_tensor", "output"), arg(1, "input_tensor", "input")]
-            nbytes = _nbytes(tensors[0])
-        elif name in _SCATTERS:
-            tensors = [arg(0, "output"), arg(1, "input", "input_tensor")]
-            nbytes = _nbytes(tensors[1])
-        elif name == "all_gather":
-            tensors = list(arg(0, "tensor_list")) + [arg(1, "tensor")]
-            nbytes = sum(_nbytes(t) for t in tensors[:-1])
-        elif name == "reduce_scatter":
-            tensors = [arg(0, "output")] + list(arg(1, "input_list"))
-            nbytes = sum(_nbytes(t) for t in tensors[1:])
-        else:
-            tensors = [arg(0, "tensor")]
-            nbytes = _nbytes(tensors[0])
+        tensors, size = call_tensors(name, args, kwargs)
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self.tag(t, "comm")
-        group = kwargs.get("group")
-        if group is None:
-            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-        self.collectives.append(Collective(KIND[name], nbytes, ranks, self.phase))
-
-    def _wrap(self, name: str, orig):
-        def counted(*args, **kwargs):
-            depth = getattr(self._local, "depth", 0)
-            if depth == 0:  # the outermost call only
-                self._record(name, args, kwargs)
-            self._local.depth = depth + 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        return counted
+        ranks = tuple(dist.get_process_group_ranks(call_group(args, kwargs)))
+        self.collectives.append(Collective(KIND[name], size, ranks, self.phase))
 
     # ---- context ----------------------------------------------------------
 
     def __enter__(self) -> StepTracker:
-        c10d = dist.distributed_c10d
-        for name in _GATHERS + _SCATTERS + _LISTS + _SINGLES:
-            for module in (dist, c10d):
-                orig = getattr(module, name, None)
-                if orig is not None:
-                    self._saved.append((module, name, orig))
-                    setattr(module, name, self._wrap(name, orig))
+        self._calls.__enter__()
         orig_resize = self._orig_resize = torch.UntypedStorage.resize_
         tracker = self
 
@@ -250,9 +193,7 @@ class StepTracker(dispatch_mode_base()):
             super().__exit__(*exc)
         finally:
             torch.UntypedStorage.resize_ = self._orig_resize
-            for module, name, orig in reversed(self._saved):
-                setattr(module, name, orig)
-            self._saved.clear()
+            self._calls.__exit__(*exc)
 
     # ---- results ----------------------------------------------------------
 
