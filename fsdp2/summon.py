@@ -281,7 +281,7 @@ def _all_gather(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` from every rank of the shard group, ``(W, flat numel)``, on the group's device."""
     world_size = group.mesh_info.shard_mesh_size
     flat = flat.to(group.device)
-    if world_size == 1:
+    if group.alone:  # one rank (see [Note: Forcing collectives on one rank])
         return flat.view(1, -1)
     output = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
     collectives.all_gather(output, flat, group.mesh_info.shard_process_group)

@@ -30,6 +30,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 pytestmark = fsdp2_only  # summon_full_params is fsdp2's API: upstream fully_shard has none
 
+
+def _communicates(world_size: int) -> bool:
+    """Whether a shard group of ``world_size`` ranks all-gathers (FSDP2_FORCE_COLLECTIVES at 1)."""
+    from fsdp2._force_collectives import collectives_forced
+
+    return world_size > 1 or collectives_forced()
+
 NUM_GROUPS = 3  # shard_transformer: two blocks and the root
 
 
@@ -81,7 +88,7 @@ def _case_values_and_writeback(rank, world_size):
         with _summon(model):
             _assert_full_like(model, ref, "summoned")
             _edit([model])
-    assert counts["all_gather"] == (NUM_GROUPS if world_size > 1 else 0), counts
+    assert counts["all_gather"] == (NUM_GROUPS if _communicates(world_size) else 0), counts
     _edit([ref])
     assert_params_match(ref, model)
     for name, p in model.named_parameters():
@@ -109,7 +116,7 @@ def _case_with_grads(rank, world_size):
                 assert p.grad is not None and not isinstance(p.grad, DTensor), name
                 torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=RTOL, atol=ATOL)
             model.output.weight.grad.mul_(3.0)  # written back with the parameters
-    assert counts["all_gather"] == (2 * NUM_GROUPS if world_size > 1 else 0), counts
+    assert counts["all_gather"] == (2 * NUM_GROUPS if _communicates(world_size) else 0), counts
     ref.output.weight.grad.mul_(3.0)
     assert_grads_match(ref, model)
 
@@ -123,7 +130,7 @@ def _case_rank0_only_offload(rank, world_size):
                 assert all(p.device.type == "cpu" for p in model.parameters())
             else:
                 assert all(isinstance(p, DTensor) for p in model.parameters())
-    assert counts["all_gather"] == (NUM_GROUPS if world_size > 1 else 0), counts  # every rank
+    assert counts["all_gather"] == (NUM_GROUPS if _communicates(world_size) else 0), counts  # every rank
     with pytest.raises(NotImplementedError, match="writeback=True and rank0_only=True"):
         with _summon(model, rank0_only=True):
             pass
