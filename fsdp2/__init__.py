@@ -8,7 +8,13 @@ from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, O
 from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .module import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
@@ -20,6 +26,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

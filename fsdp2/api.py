@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
+
+from .versions import upstream_has
 
 DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has
 
@@ -22,22 +26,38 @@ class MixedPrecisionPolicy:
         param_dtype: dtype of the unsharded parameters (all-gather and
             compute). ``None`` keeps the original dtype. Non-floating-point
             parameters are never cast.
-        reduce_dtype: dtype of the gradient reduction. ``None`` means
-            ``param_dtype`` (or the original dtype when that is ``None``).
-            ``torch.float32`` with a ``bfloat16`` ``param_dtype`` reduces
-            low-precision gradients in full precision. The reduced gradient
-            is cast to the original dtype on the sharded parameter.
+        reduce_dtype: dtype of the gradient reduction, and of gradients
+            accumulated while ``set_requires_gradient_sync(False)``. ``None``
+            follows the installed torch's upstream: from torch 2.15 the
+            parameters' original dtype (fp32 gradients for fp32 parameters
+            under ``param_dtype=torch.bfloat16``; pass
+            ``reduce_dtype=torch.bfloat16`` for the older behaviour), before
+            2.15 ``param_dtype``. Gradients of several dtypes in one group
+            are reduced in their promoted dtype. The reduced gradient is cast
+            to the original dtype on the sharded parameter.
         output_dtype: dtype the module's floating-point outputs are cast to.
             ``None`` leaves outputs alone. Lets modules with different
             policies follow each other (e.g. an fp32 norm feeding a bf16 block).
         cast_forward_inputs: cast floating-point forward inputs to
             ``param_dtype`` (when that is set).
+        param_dtype_override_fn: keyword only; called once per parameter by
+            ``fully_shard`` with the parameter. Returning the parameter's own
+            dtype keeps that parameter in it (e.g. an fp32 norm or router in
+            a bf16 block); ``None`` or ``param_dtype`` uses ``param_dtype``;
+            anything else is a ``ValueError``. It must answer the same on
+            every rank. Forward inputs are still cast to ``param_dtype``.
+            (torch 2.15's field; fsdp2 offers it on every torch.)
     """
 
     param_dtype: DtypeOrNone = None
     reduce_dtype: DtypeOrNone = None
     output_dtype: DtypeOrNone = None
     cast_forward_inputs: bool = True
+    # In the repr where torch's policy has the field, so reprs match the installed torch's.
+    param_dtype_override_fn: Callable[[nn.Parameter], DtypeOrNone] | None = field(
+        default=None, kw_only=True,
+        repr=upstream_has("MixedPrecisionPolicy.param_dtype_override_fn"),
+    )
 
 
 @dataclass
@@ -121,6 +141,7 @@ def _from_upstream(policy: object) -> object:
             reduce_dtype=policy.reduce_dtype,
             output_dtype=policy.output_dtype,
             cast_forward_inputs=policy.cast_forward_inputs,
+            param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
         )
     if isinstance(policy, unpatched("CPUOffloadPolicy")):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
@@ -160,15 +181,21 @@ def resolve_policies(
             f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}; "
             "e.g. mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
         )
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, name)
         if dtype is None:
             continue
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
-                f"fully_shard: MixedPrecisionPolicy.{field} must be None or a floating-point "
+                f"fully_shard: MixedPrecisionPolicy.{name} must be None or a floating-point "
                 f"torch.dtype (e.g. torch.bfloat16, torch.float32), got {dtype!r}"
             )
+    override_fn = mp_policy.param_dtype_override_fn
+    if override_fn is not None and not callable(override_fn):
+        raise ValueError(
+            "fully_shard: MixedPrecisionPolicy.param_dtype_override_fn must be None or a "
+            f"callable taking a parameter and returning a torch.dtype or None, got {override_fn!r}"
+        )
     if not isinstance(mp_policy.cast_forward_inputs, bool):
         raise ValueError(
             "fully_shard: MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "

@@ -28,6 +28,7 @@ from .mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
+from .mixed_precision import keeps_own_dtype
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -182,6 +183,8 @@ def fully_shard(
             )
             for p in params
         ]
+        for fsdp_param, p in zip(fsdp_params, params):
+            fsdp_param.keeps_dtype = keeps_own_dtype(mp_policy, p, names[p])
         group = FSDPParamGroup(
             fsdp_params,
             params,

@@ -20,6 +20,13 @@ dtype. Non-floating-point parameters are never cast. In a group of several
 dtypes (see [Note: Mixed-dtype groups] in flat_shard.py) each parameter is
 cast on its own: floating ones to ``param_dtype``, others kept; the group's
 gradients are those of its trainable parameters, which share one dtype.
+
+The reduce dtype a policy leaves unset (``reduce_dtype=None``) follows the
+installed torch: see [Note: What changed by torch version] in versions.py.
+``param_dtype_override_fn`` keeps chosen parameters in their own dtype
+(``FSDPParam.keeps_dtype``): they are gathered uncast beside the cast ones, as
+a mixed-dtype group gathers, and their gradients keep that dtype until the
+reduction, which then runs in the promoted dtype when ``reduce_dtype`` is unset.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from .api import MixedPrecisionPolicy
 from .errors import FSDPAssertionError
 from .nested import map_tensors
+from .versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 
 
 def resolve_dtypes(
@@ -45,12 +54,49 @@ def resolve_dtypes(
     are already in it.
     """
     reduce_dtype = policy.reduce_dtype
+    if (
+        reduce_dtype is None
+        and REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
+        and orig_dtype.is_floating_point
+        and policy.param_dtype not in (None, orig_dtype)
+    ):
+        reduce_dtype = orig_dtype  # torch >= 2.15: gradients follow the parameter's dtype
     if reduce_dtype == policy.param_dtype:
         reduce_dtype = None
     param_dtype = policy.param_dtype
     if param_dtype == orig_dtype or not orig_dtype.is_floating_point:
         param_dtype = None
     return param_dtype, reduce_dtype
+
+
+def keeps_own_dtype(policy: MixedPrecisionPolicy, param: nn.Parameter, fqn: str) -> bool:
+    """Whether ``policy.param_dtype_override_fn`` keeps ``param`` in its own dtype.
+
+    Called once per parameter by ``fully_shard``; a bad answer is a
+    ``ValueError`` with upstream's message and the parameter's name.
+    """
+    override_fn = policy.param_dtype_override_fn
+    if override_fn is None:
+        return False
+    dtype = override_fn(param)
+    if dtype is None:
+        return False
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"param_dtype_override_fn must return a torch.dtype or None but got {type(dtype)}\n"
+            f"MixedPrecisionPolicy.param_dtype_override_fn returned {dtype!r} for parameter "
+            f"'{fqn}'; return None, the policy's param_dtype, or the parameter's own dtype"
+        )
+    if dtype not in (policy.param_dtype, param.dtype):
+        raise ValueError(
+            "param_dtype_override_fn must return None, param_dtype, or the parameter's original "
+            f"dtype but got {dtype} for a parameter with dtype {param.dtype} and param_dtype "
+            f"{policy.param_dtype}\n"
+            f"Parameter '{fqn}': a parameter can only be cast to the policy's param_dtype or "
+            "kept in its own dtype; use another fully_shard call with its own policy for other "
+            "dtypes"
+        )
+    return dtype == param.dtype and dtype != policy.param_dtype
 
 
 def check_trainable_dtypes(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:

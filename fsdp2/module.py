@@ -24,7 +24,13 @@ from .param_group import FSDPParamGroup
 from .staged_collectives import AllGather, ReduceScatter, check_comm
 from .state import FSDPState, state_of
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = [
+    "FSDPModule",
+    "GradientReductionHandle",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 
 class UnshardHandle:
@@ -45,6 +51,29 @@ class _GroupUnshardHandle(UnshardHandle):
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None  # do not keep the group alive
+
+
+class GradientReductionHandle:
+    """A handle on the gradient reduction :meth:`FSDPModule.finalize_backward` started with ``async_op=True``."""
+
+    def wait(self) -> None:
+        """Wait for the gradient reduction and end the backward iteration.
+
+        Call it before reading the gradients, stepping the optimizer, or
+        running the module again. Raises ``RuntimeError`` if
+        :meth:`FSDPModule.reset_iter_state` ran since the handle was returned.
+        """
+
+
+class _RootReductionHandle(GradientReductionHandle):
+    def __init__(self, state: FSDPState | None, token: object | None) -> None:
+        self._state, self._token = state, token
+
+    def wait(self) -> None:
+        if self._state is not None:
+            state, self._state = self._state, None
+            token, self._token = self._token, None
+            state.wait_for_reduction(token)
 
 
 class FSDPModule:
@@ -123,18 +152,68 @@ class FSDPModule:
         """
         self._fsdp_state().reset_iter_state()
 
-    def finish_backward(self) -> None:
-        """Run FSDP's post-backward for every group under this root now, then its end of backward.
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Make the caller end each backward with :meth:`finalize_backward` (root only).
 
-        For code that drives backward itself and reduces once after several
-        backwards, as pipeline schedules do (``fsdp2.pipelining``): after
-        backwards with ``set_requires_gradient_sync(False)``, turn sync back
-        on and call this to reduce-scatter the accumulated gradients once per
-        group (resharding per ``set_reshard_after_backward``), as a syncing
-        backward would have. Call it on the root (``RuntimeError``
-        otherwise); before the first forward it does nothing.
+        For schedules that reduce gradients as a step of their own (pipeline
+        schedules, torchtitan's trainer): while enabled, the end of a backward
+        reduces and reshards only what it must, and groups autograd did not
+        reach wait, unreduced, for :meth:`finalize_backward`, which must then
+        run after the step's last backward and before the gradients are read
+        or cleared. It supersedes :meth:`set_is_last_backward`. Set it before
+        forward: changing it during a backward, or after a backward started
+        in the other mode (until finalized or reset), raises ``RuntimeError``,
+        as does calling it on a module that is not the root.
+        (torch 2.15's API; fsdp2 offers it on every torch.)
+        """
+        _check_bool(enabled, "set_manual_backward_finalization", "enabled")
+        self._fsdp_state().set_manual_backward_finalization(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Reduce the gradients backward left pending, reshard, and end the backward iteration.
+
+        Needs :meth:`set_manual_backward_finalization` ``(True)`` (set before
+        forward) and runs on the root after the step's last backward; before
+        the root's first forward it does nothing. After backwards with
+        ``set_requires_gradient_sync(False)``, turn sync back on first: the
+        gradients held since then are reduced once per group. With
+        ``async_op=True`` the reductions are started and a
+        :class:`GradientReductionHandle` is returned: call its ``wait()``
+        before using the gradients or running the model again. Otherwise
+        this returns ``None`` when done. Raises ``RuntimeError`` (upstream's
+        messages) while a backward runs, before the previous handle was
+        waited on, or for HSDP groups whose all-reduce is turned off.
+        (torch 2.15's API; fsdp2 offers it on every torch.)
+        """
+        _check_bool(async_op, "finalize_backward", "async_op")
+        state = self._fsdp_state()
+        token = state.finalize_backward(wait=not async_op)
+        if not async_op:
+            return None
+        return _RootReductionHandle(state if token is not None else None, token)
+
+    def finish_backward(self) -> None:
+        """:meth:`finalize_backward` (synchronous) without requiring manual finalization mode.
+
+        fsdp2's name from before torch 2.15 named the idea, kept as an alias:
+        after backwards with ``set_requires_gradient_sync(False)``, turn sync
+        back on and call this on the root to reduce-scatter the accumulated
+        gradients once per group (resharding per ``set_reshard_after_backward``).
         """
         self._fsdp_state().finish_backward()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' memory allocated across reshard and unshard.
+
+        By default resharding frees it. Kept, every unshard writes the same
+        memory (stable data pointers, as CUDA graph capture needs) at the cost
+        of holding the unsharded parameters all the time.
+        (torch 2.15's API; fsdp2 offers it on every torch.)
+        """
+        _check_bool(keep, "set_keep_unsharded_storage", "keep")
+        for group in self._groups(recurse):
+            for param in group.fsdp_params:
+                param.keep_unsharded_storage = keep
 
     # ---- schedule ---------------------------------------------------------------
 

@@ -155,6 +155,9 @@ class FSDPParam:
         # Where the unsharded parameter differs from the sharded one (set by the
         # group): its dtype under mixed precision, its device under CPU offload.
         self.param_dtype: torch.dtype | None = None
+        # MixedPrecisionPolicy.param_dtype_override_fn kept this parameter's own dtype.
+        self.keeps_dtype = False
+        self.keep_unsharded_storage = False
         self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
@@ -482,7 +485,14 @@ class FSDPParam:
             set_requires_grad(self.unsharded_param, requires_grad)
 
     def free_unsharded(self) -> None:
-        """Release the unsharded storage; the parameter object is kept for reuse."""
+        """Release the unsharded storage; the parameter object is kept for reuse.
+
+        With ``keep_unsharded_storage`` (``FSDPModule.set_keep_unsharded_storage``)
+        the storage stays allocated, so the next unshard writes the same memory
+        (stable data pointers, e.g. for CUDA graphs).
+        """
+        if self.keep_unsharded_storage:
+            return
         if self.padded_full is not None:
             self.padded_full.untyped_storage().resize_(0)
         if self._unsharded_data is not None:

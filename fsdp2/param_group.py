@@ -108,6 +108,9 @@ class FSDPParamGroup(GradientReduction):
         # HSDP: all-reduce gradients over the replicate group (off while accumulating)
         self.all_reduce_grads = True
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
+        # Gradients held unreduced (sync off) or not reached by autograd under
+        # manual finalization: FSDPModule.finalize_backward reduces them.
+        self.post_backward_pending = False
         # Control surface (FSDPModule.set_*); see module.py.
         self.reduce_grads = True
         self.unshard_in_backward = True
@@ -178,15 +181,24 @@ class FSDPParamGroup(GradientReduction):
         self.orig_dtype = trainable[0] if trainable else fallback
         self.param_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, self.orig_dtype)
         for p, dtype in zip(self.fsdp_params, layout.dtypes):
-            p.param_dtype = resolve_dtypes(self.mp_policy, dtype)[0]  # floating ones only
+            # floating ones only, unless param_dtype_override_fn kept the parameter's dtype
+            p.param_dtype = None if p.keeps_dtype else resolve_dtypes(self.mp_policy, dtype)[0]
             p.unsharded_device = self.device if self.offload else None
             if p.extension is not None:  # upstream resolves these per parameter
                 p.extension.mp_policy = self.mp_policy
                 p.extension.param_dtype = p.param_dtype or p.dtype
         # Without a cast or a move the flat buffer is the all-gather input itself.
-        self._copy_in = (self.offload and self.device.type != "cpu") or any(
-            p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0
-        )
+        cast = [p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0]
+        self._copy_in = (self.offload and self.device.type != "cpu") or any(cast)
+        # Some parameters cast, others kept (param_dtype_override_fn): gathered per parameter.
+        self._partly_cast = any(cast) and not all(cast)
+        if self._partly_cast and self.post_forward_mesh_info is not None:
+            kept = [p.fqn for p in self.fsdp_params if p.keeps_dtype]
+            raise FSDPNotImplementedError(
+                "reshard_after_forward=<int> is not supported with parameters that "
+                f"param_dtype_override_fn keeps in their own dtype ({', '.join(kept)}); pass "
+                "True or False, or shard those parameters' modules with their own fully_shard"
+            )
 
     def _check_extensions(self) -> None:
         """Which parameters gather through all-gather extensions (decided when adopted)."""
@@ -301,7 +313,7 @@ class FSDPParamGroup(GradientReduction):
         if (
             self._has_extensions
             or (effective(self.all_gather_comm) is not None and not self.alone)
-            or (layout.mixed and self._copy_in and self._post_forward_flat is None)
+            or ((layout.mixed or self._partly_cast) and self._copy_in and self._post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
             return
@@ -517,6 +529,8 @@ class FSDPParamGroup(GradientReduction):
         logger.debug("post_backward %s", self.module_fqn)
         ran = self._take_use(use)
         self.training_state = TrainingState.POST_BACKWARD
+        # Held gradients wait for a reducing post-backward (see finish_backward_pass).
+        self.post_backward_pending = not self.reduce_grads
         if not self.reduce_grads:
             self._hold_unsharded_grads()
             if self.reshard_after_backward:
@@ -560,23 +574,44 @@ class FSDPParamGroup(GradientReduction):
         for p in self.fsdp_params:
             p.hold_grad_in(reduce_dtype)
 
-    def finish_iteration(self, is_last_backward: bool = True) -> None:
-        """End-of-backward cleanup: reduce what is left, reset state.
+    def finish_backward_pass(self, defer_reduction: bool = False) -> None:
+        """Autograd finished a backward: run the post-backward it did not reach.
 
         Groups whose post-backward did not run (inputs that needed no grad,
-        outputs unused by the loss, modules not run) run it now. After the
-        last backward of a step, all-gathers prefetched for a use that never
-        came are dropped and the backward bookkeeping is cleared; with
-        ``is_last_backward=False`` it is kept for the next backward.
+        outputs unused by the loss, modules not run) run it now, or, with
+        ``defer_reduction`` (manual backward finalization) and gradient sync
+        on, are only marked ``post_backward_pending`` for ``finalize_backward``.
         """
         if self.training_state != TrainingState.POST_BACKWARD:
+            if defer_reduction and self.reduce_grads:
+                self.post_backward_pending = True
+            else:
+                self.post_backward()
+        self.training_state = TrainingState.IDLE
+
+    def finalize(self) -> None:
+        """``finalize_backward``: reduce held gradients now (pending), else reshard if asked."""
+        if self.post_backward_pending:
             self.post_backward()
+        elif self.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def finish_iteration(self) -> None:
+        """After the last backward of a step: wait for offloads, clear the backward bookkeeping.
+
+        All-gathers prefetched for a use that never came are dropped.
+        """
         self.wait_for_grad_offload()
         self.training_state = TrainingState.IDLE
-        if is_last_backward:
-            self._post_forward_indices.clear()
-            if self.reshard_after_backward or not self._is_unsharded:
-                self.reshard()  # also waits for and drops an unused prefetch
+        self._post_forward_indices.clear()
+        if self.reshard_after_backward or not self._is_unsharded:
+            self.reshard()  # also waits for and drops an unused prefetch
+
+    @property
+    def holds_partial_reduction(self) -> bool:
+        """HSDP with all-reduce off: reduce-scattered gradients wait for their all-reduce."""
+        return bool(self._partial_grads)
 
     def reset_iter_state(self) -> None:
         """Drop every per-iteration trace after a failed forward or backward."""
@@ -585,6 +620,7 @@ class FSDPParamGroup(GradientReduction):
         for p in self.fsdp_params:
             p.take_unsharded_grad()
         self.training_state = TrainingState.IDLE
+        self.post_backward_pending = False
         self._post_forward_indices.clear()
         self._use = None
         self._uses_without_node.clear()

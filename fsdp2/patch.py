@@ -15,9 +15,12 @@ so upstream ``fully_shard`` keeps working for anyone holding a reference to it.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 import warnings
 from types import ModuleType, TracebackType
+
+from .versions import PIPELINING_USES_PUBLIC_FSDP_API
 
 __all__ = ["PATCHED_MODULES", "PATCHED_NAMES", "TorchPatch", "patch_torch", "unpatched"]
 
@@ -32,6 +35,7 @@ PATCHED_NAMES: tuple[str, ...] = (
     "register_fsdp_forward_method",
     "DataParallelMeshDims",
     "share_comm_ctx",
+    "GradientReductionHandle",
 )
 
 #: The modules user code imports those names from. ``torch.distributed.fsdp``
@@ -71,6 +75,17 @@ def _replacements() -> dict[str, object]:
     return {name: getattr(fsdp2, name) for name in PATCHED_NAMES}
 
 
+#: torch's pipelining modules, which bind ``FSDPModule`` at import and, from torch
+#: 2.15, drive FSDP stages through its public methods only: patched too (when
+#: already imported; imported later, they bind the patched names themselves), so
+#: torch's own ``PipelineStage`` and schedules treat fsdp2's modules as upstream's.
+#: Before 2.15 they reach into upstream's private state: ``fsdp2.pipelining`` instead.
+PIPELINING_MODULES: tuple[str, ...] = (
+    "torch.distributed.pipelining.stage",
+    "torch.distributed.pipelining.schedules",
+)
+
+
 def _modules() -> list[ModuleType]:
     modules = []
     for name in PATCHED_MODULES:
@@ -78,6 +93,8 @@ def _modules() -> list[ModuleType]:
             modules.append(importlib.import_module(name))
         except ImportError:  # an older or newer torch without this alias
             continue
+    if PIPELINING_USES_PUBLIC_FSDP_API:
+        modules.extend(sys.modules[name] for name in PIPELINING_MODULES if name in sys.modules)
     return modules
 
 
@@ -155,11 +172,14 @@ def patch_torch() -> TorchPatch:
 
     Rebinds ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
     ``OffloadPolicy``, ``CPUOffloadPolicy``, ``UnshardHandle``,
-    ``register_fsdp_forward_method``, ``DataParallelMeshDims`` and
-    ``share_comm_ctx`` in ``torch.distributed.fsdp``, in the legacy
+    ``register_fsdp_forward_method``, ``DataParallelMeshDims``,
+    ``share_comm_ctx`` and ``GradientReductionHandle`` in
+    ``torch.distributed.fsdp``, in the legacy
     ``torch.distributed._composable.fsdp`` and in its ``fully_shard``
-    submodule (in each, only the names it binds), to fsdp2's objects.
-    FSDP1's classes keep torch's objects.
+    submodule (in each, only the names it binds), to fsdp2's objects; from
+    torch 2.15 also in ``torch.distributed.pipelining``'s ``stage`` and
+    ``schedules`` modules, so torch's own ``PipelineStage`` drives fsdp2
+    stages as it drives upstream's. FSDP1's classes keep torch's objects.
 
     While patched, ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds
     for modules sharded by fsdp2 (the name is fsdp2's class), as code like

@@ -62,6 +62,7 @@ everywhere gets a zero gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import torch
@@ -188,8 +189,9 @@ class GradientReduction:
                 "all-reduce hook stream (set_all_reduce_hook(..., stream=...)) but its hook is "
                 "None; set a hook again before backward"
             )
-        reduce_dtype = self.reduce_dtype or grads[0].dtype
-        if len({g.dtype for g in grads}) > 1:  # held (accumulated) and fresh ones mixed
+        dtypes = {g.dtype for g in grads}
+        reduce_dtype = self.reduce_dtype or functools.reduce(torch.promote_types, dtypes)
+        if len(dtypes) > 1:  # held (accumulated) and fresh ones, or kept and cast parameters
             # one dtype for chunk_cat, which itself converts them to the reduce dtype
             grads[:] = [g.to(reduce_dtype) for g in grads]
         plan = self._plan_for(reduce_dtype)  # see [Note: Gradient divide factors]

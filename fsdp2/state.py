@@ -92,6 +92,10 @@ class _RootContext:
         self.iter_ctx = IterContext()
         self.callback_queued = False
         self.is_last_backward = True
+        # See [Note: Manual backward finalization]
+        self.manual_finalization = False
+        self.manual_active: bool | None = None  # the mode the running backward started in
+        self.pending_reduction: object | None = None  # the async finalize's handle token
 
 
 class FSDPState:
@@ -146,6 +150,14 @@ class FSDPState:
             )
         root_module = self.modules[0]
         ctx = self.root_ctx
+        for module in root_module.modules():
+            state = state_of(module)
+            if state is not None and state is not self and state.root_ctx.manual_finalization:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root FSDP module\n"
+                    f"It was set on '{type(module).__name__}', which is not the root of "
+                    f"'{type(root_module).__name__}': call it on the root"
+                )
         ctx.all_states = []
         module_fqns: dict[nn.Module, str] = {}
         for name, module in root_module.named_modules():
@@ -264,6 +276,12 @@ class FSDPState:
         if self._input_device is not None:
             device = self._input_device
             args, kwargs = cast = map_tensors(lambda t: t.to(device), (args, kwargs))
+        if self.is_root and self.root_ctx.pending_reduction is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before forward\n"
+                "Call wait() on the GradientReductionHandle that finalize_backward(async_op=True) "
+                "returned before the next forward"
+            )
         if self.post_optim_event is not None:
             self._wait_post_optim_event()
         # See [Note: Groups run in parts]
@@ -328,6 +346,8 @@ class FSDPState:
         ctx = self.root_ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            if ctx.manual_active is None:
+                ctx.manual_active = ctx.manual_finalization
             queue_backward_callback(ctx.root._final_callback)
         group = self.param_group
         explicit = self.backward_prefetch
@@ -338,28 +358,117 @@ class FSDPState:
         return None
 
     def _final_callback(self) -> None:
-        """After the whole backward: reduce what is left and reset for the next step."""
+        """After the whole backward: reduce what is left and, after the last one, end the step."""
         ctx = self.root_ctx
-        is_last = ctx.is_last_backward
+        manual = bool(ctx.manual_active)
         # Root first, then the order lazy init found the states in (as upstream):
         # the order of the reductions of groups autograd did not reach.
         for state in ctx.all_states:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
-                state.param_group.finish_iteration(is_last)
-        if is_last:
-            ctx.iter_ctx.post_forward_order.clear()
+                state.param_group.finish_backward_pass(defer_reduction=manual)
+        if ctx.is_last_backward and not manual:
+            self._end_iteration()
         ctx.callback_queued = False
 
-    def finish_backward(self) -> None:
-        """``FSDPModule.finish_backward``: every group's post-backward now, then the final callback."""
-        self._check_root("finish_backward")
-        if self.is_root is None:
-            return  # no forward ran yet: nothing to reduce
-        for state in self.root_ctx.all_states:
+    def _end_iteration(self) -> None:
+        ctx = self.root_ctx
+        for state in ctx.all_states:
             if state.param_group is not None:
-                state.param_group.post_backward()
-        self._final_callback()
+                state.param_group.finish_iteration()
+        ctx.iter_ctx.post_forward_order.clear()
+        ctx.manual_active = None
+
+    # ---- manual backward finalization --------------------------------------------
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """See ``FSDPModule.set_manual_backward_finalization`` and [Note: Manual backward finalization]."""
+        self._check_root("set_manual_backward_finalization")
+        ctx = self.root_ctx
+        if enabled != ctx.manual_finalization and in_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward\n"
+                "Set it before forward (or after finalize_backward), not from a backward hook"
+            )
+        if ctx.manual_active is not None and enabled != ctx.manual_active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts\n"
+                "A backward already ran in the other mode: finish it (finalize_backward, or "
+                "the last backward) or call reset_iter_state() first"
+            )
+        ctx.manual_finalization = enabled
+
+    def finalize_backward(self, wait: bool = True, require_manual: bool = True) -> object | None:
+        """Reduce what backward left pending, reshard; with ``wait``, also end the step.
+
+        Returns the token a ``GradientReductionHandle`` waits on when not ``wait``.
+        """
+        self._check_root("finalize_backward")
+        if self.is_root is None:
+            return None  # no forward ran yet: nothing to reduce
+        ctx = self.root_ctx
+        self._check_can_finalize(require_manual)
+        logger.debug("finalize_backward %s", type(self.modules[0]).__name__)
+        for state in reversed(ctx.all_states):  # as autograd would reach them
+            if state.param_group is not None:
+                state.param_group.finalize()
+        if wait:
+            self._end_iteration()
+            return None
+        ctx.pending_reduction = token = object()
+        return token
+
+    def wait_for_reduction(self, token: object) -> None:
+        """``GradientReductionHandle.wait``: end the step an async finalize started."""
+        ctx = self.root_ctx
+        if ctx.pending_reduction is not token:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated\n"
+                "reset_iter_state() ran after finalize_backward(async_op=True) returned it"
+            )
+        self._end_iteration()
+        ctx.pending_reduction = None
+
+    def _check_can_finalize(self, require_manual: bool) -> None:
+        ctx = self.root_ctx
+        if ctx.pending_reduction is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again\nCall wait() on the GradientReductionHandle of the previous "
+                "finalize_backward(async_op=True)"
+            )
+        manual = ctx.manual_active if ctx.manual_active is not None else ctx.manual_finalization
+        if require_manual and not manual:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if ctx.callback_queued:
+            raise RuntimeError(
+                "FSDP finalize_backward must be called after backward completes\n"
+                "It was called while a backward is running (e.g. from a hook)"
+            )
+        groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
+        for group in groups:
+            name = group.module_fqn or "<root>"
+            if group.holds_partial_reduction:
+                raise RuntimeError(
+                    "FSDP manual backward finalization does not support partial gradient "
+                    f"reductions for parameter group {name!r}. Use automatic backward "
+                    "finalization for this configuration"
+                )
+            if (
+                group.post_backward_pending and group.reduce_grads
+                and group.mesh_info.replicate_only and not group.all_reduce_grads
+            ):
+                raise RuntimeError(
+                    "FSDP manual backward finalization requires all-reduce for parameter group "
+                    f"{name!r}. Call set_requires_all_reduce(True) before finalization"
+                )
+
+    def finish_backward(self) -> None:
+        """``FSDPModule.finish_backward``: ``finalize_backward`` in either finalization mode."""
+        self.finalize_backward(require_manual=False)
 
     def _check_root(self, method: str) -> None:
         if self.is_root is False:
@@ -377,12 +486,15 @@ class FSDPState:
         self._check_root("reset_iter_state")
         if self.is_root is None:
             return  # no forward ran yet: nothing to reset
-        for state in self.root_ctx.all_states:
+        ctx = self.root_ctx
+        for state in ctx.all_states:
             state._modules_to_run.clear()
             if state.param_group is not None:
                 state.param_group.reset_iter_state()
-        self.root_ctx.iter_ctx.post_forward_order.clear()
-        self.root_ctx.callback_queued = False
+        ctx.iter_ctx.post_forward_order.clear()
+        ctx.callback_queued = False
+        ctx.manual_active = None
+        ctx.pending_reduction = None  # invalidates an outstanding GradientReductionHandle
 
 
 class _PostBackward(torch.autograd.Function):

@@ -31,11 +31,13 @@ if IMPL == "torch":
     # the suite still imports; the tests that use them fail there.
     DataParallelMeshDims = getattr(_upstream, "DataParallelMeshDims", None)
     share_comm_ctx = getattr(_upstream, "share_comm_ctx", None)
+    GradientReductionHandle = getattr(_upstream, "GradientReductionHandle", None)  # 2.15
 else:
     from fsdp2 import (  # type: ignore[no-redef]
         CPUOffloadPolicy,
         DataParallelMeshDims,
         FSDPModule,
+        GradientReductionHandle,
         MixedPrecisionPolicy,
         OffloadPolicy,
         UnshardHandle,
@@ -51,16 +53,32 @@ fsdp2_only = pytest.mark.skipif(
     IMPL == "torch", reason="fsdp2-specific behaviour/message; upstream torch differs"
 )
 
+def needs_upstream(name: str):
+    """Skip under ``FSDP2_TEST_IMPL=torch`` where the installed torch lacks ``name``.
+
+    ``name`` is a key of ``fsdp2.versions.ADDED_IN``: API fsdp2 offers on every
+    torch but upstream only from a later release, so on an older torch there is
+    no upstream to validate the test against.
+    """
+    from fsdp2.versions import upstream_has
+
+    return pytest.mark.skipif(
+        IMPL == "torch" and not upstream_has(name), reason=f"upstream's torch lacks {name}"
+    )
+
+
 __all__ = [
     "IMPL",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
     "fsdp2_only",
+    "needs_upstream",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]

@@ -1,0 +1,69 @@
+"""Which torch is installed, and every behaviour of fsdp2 that follows its version.
+
+fsdp2 behaves like the upstream ``fully_shard`` of the installed torch. Where
+upstream changed behaviour between releases, the switch is decided here, once,
+and the rest of the package reads the named flag (never ``torch.__version__``).
+
+[Note: What changed by torch version]
+torch 2.15:
+- ``MixedPrecisionPolicy(reduce_dtype=None)`` reduces gradients in the
+  parameter's own dtype (fp32 for fp32 parameters under ``param_dtype=bf16``);
+  before, it reduced in ``param_dtype``. See ``REDUCE_IN_PARAM_DTYPE_BY_DEFAULT``.
+- New public API: ``GradientReductionHandle``,
+  ``FSDPModule.set_manual_backward_finalization``,
+  ``FSDPModule.finalize_backward(async_op=...)``,
+  ``FSDPModule.set_keep_unsharded_storage`` and
+  ``MixedPrecisionPolicy(param_dtype_override_fn=...)``. fsdp2 offers them on
+  every torch it supports (they change nothing unless called); the API-surface
+  test compares names with the installed torch and allows exactly these
+  additions on older ones (``ADDED_IN``).
+- ``torch.distributed.pipelining`` drives FSDP modules through
+  ``set_manual_backward_finalization`` and ``finalize_backward(async_op=True)``.
+
+torch 2.13: ``PipelineStage`` infers shapes with one real forward/backward
+(see ``after_stage_metadata_inference`` in _torch_compat.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``2.15.0+cu132`` or ``2.16.0a0``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"fsdp2 cannot read the torch version {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+#: ``(major, minor)`` of the installed torch.
+TORCH_RELEASE: tuple[int, int] = _release(torch.__version__)
+
+#: The releases CI runs the whole suite on (see the README, "Supported torch versions").
+TESTED_RELEASES: tuple[tuple[int, int], ...] = ((2, 13), (2, 15))
+
+#: With ``reduce_dtype=None`` and a ``param_dtype`` set, gradients are reduced in the
+#: parameter's original dtype (torch >= 2.15) rather than in ``param_dtype``.
+REDUCE_IN_PARAM_DTYPE_BY_DEFAULT: bool = TORCH_RELEASE >= (2, 15)
+
+#: torch.distributed.pipelining drives FSDP stages only through FSDPModule's public
+#: methods (torch >= 2.15), so patch_torch() can hand it fsdp2's modules; before, it
+#: reads upstream's private state and fsdp2.pipelining.PipelineStage is the way.
+PIPELINING_USES_PUBLIC_FSDP_API: bool = TORCH_RELEASE >= (2, 15)
+
+#: Public FSDP2 API fsdp2 offers on every torch, by the release whose upstream added it.
+ADDED_IN: dict[str, tuple[int, int]] = {
+    "GradientReductionHandle": (2, 15),
+    "FSDPModule.set_manual_backward_finalization": (2, 15),
+    "FSDPModule.finalize_backward": (2, 15),
+    "FSDPModule.set_keep_unsharded_storage": (2, 15),
+    "MixedPrecisionPolicy.param_dtype_override_fn": (2, 15),
+}
+
+
+def upstream_has(name: str) -> bool:
+    """Whether the installed torch's upstream FSDP2 has ``name`` (a key of ``ADDED_IN``)."""
+    return TORCH_RELEASE >= ADDED_IN[name]
