@@ -158,6 +158,8 @@ class FSDPParam:
         # MixedPrecisionPolicy.param_dtype_override_fn kept this parameter's own dtype.
         self.keeps_dtype = False
         self.keep_unsharded_storage = False
+        # torch >= 2.15: the dtype new unsharded gradients accumulate in (set by the group).
+        self.grad_dtype: torch.dtype | None = None
         self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
@@ -405,16 +407,17 @@ class FSDPParam:
 
     def _make_unsharded(self, like: torch.Tensor, offset: int) -> nn.Parameter:
         param = _parameter_on(like, offset, self.orig_size, self.orig_stride)
-        if self.tp_spec is None:
-            return param
-        tp_mesh, tp_placements = self.tp_spec
-        alias = param.data
-        dtensor = DTensor.from_local(
-            alias, tp_mesh, tp_placements, run_check=False,
-            shape=self.global_size, stride=self.global_stride,
-        )
-        param = nn.Parameter(dtensor, requires_grad=False)
-        set_local_tensor(param, alias)
+        if self.tp_spec is not None:
+            tp_mesh, tp_placements = self.tp_spec
+            alias = param.data
+            dtensor = DTensor.from_local(
+                alias, tp_mesh, tp_placements, run_check=False,
+                shape=self.global_size, stride=self.global_stride,
+            )
+            param = nn.Parameter(dtensor, requires_grad=False)
+            set_local_tensor(param, alias)
+        if self.grad_dtype is not None and self.grad_dtype != param.dtype:
+            param.grad_dtype = self.grad_dtype  # See [Note: Gradient accumulation dtype]
         return param
 
     def finish_copy_out(self) -> None:
@@ -586,6 +589,27 @@ class FSDPParam:
             self._held_grad = grad.to(dtype)
         else:
             self._held_grad.add_(grad)
+
+    def set_grad_dtype(self, dtype: torch.dtype, defer: bool, reduce_grads: bool) -> None:
+        """torch >= 2.15: the dtype autograd accumulates the unsharded gradient in.
+
+        See [Note: Gradient accumulation dtype] in param_group.py. ``defer``
+        (pre-backward): a gradient that is about to be reduced, or that already
+        accumulates in ``dtype``, takes autograd's output as it comes; otherwise
+        (and after each post-backward) the gradient is kept in ``dtype`` and
+        autograd upcasts what it adds.
+        """
+        param = self.unsharded_param
+        if param is None or not param.requires_grad or param.dtype == dtype:
+            return
+        grad = param.grad
+        if defer and (grad is not None or reduce_grads):
+            param.grad_dtype = None
+            return
+        if grad is not None and grad.dtype != dtype:
+            param.grad_dtype = None
+            param.grad = grad.to(dtype)
+        param.grad_dtype = dtype
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Set or add this rank's reduced gradient rows on the sharded parameter."""

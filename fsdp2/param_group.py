@@ -61,6 +61,7 @@ from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_
 from .param import FSDPParam, ShardedState
 from .reduce_op import ReducePlan
 from .reduction import GradientReduction
+from .versions import ACCUMULATE_IN_GRAD_DTYPE
 
 logger = logging.getLogger("fsdp2.param_group")
 
@@ -187,6 +188,8 @@ class FSDPParamGroup(GradientReduction):
             if p.extension is not None:  # upstream resolves these per parameter
                 p.extension.mp_policy = self.mp_policy
                 p.extension.param_dtype = p.param_dtype or p.dtype
+        for p in self.fsdp_params:  # See [Note: Gradient accumulation dtype]
+            p.grad_dtype = self.reduce_dtype if ACCUMULATE_IN_GRAD_DTYPE else None
         # Without a cast or a move the flat buffer is the all-gather input itself.
         cast = [p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0]
         self._copy_in = (self.offload and self.device.type != "cpu") or any(cast)
@@ -484,6 +487,7 @@ class FSDPParamGroup(GradientReduction):
         if self.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
+        self._set_grad_dtypes(defer=True)
         if default_prefetch:
             self._prefetch_previous()
         return True
@@ -537,6 +541,7 @@ class FSDPParamGroup(GradientReduction):
                 self.reshard()
             return
         taken = [p.take_unsharded_grad() for p in self.fsdp_params]
+        self._set_grad_dtypes(defer=False)
         filled: set[FSDPParam] = set()
         if self.reduce_scatter_unused_params:
             self.zero_unused_grads(self.fsdp_params, taken)
@@ -566,13 +571,32 @@ class FSDPParamGroup(GradientReduction):
 
         See [Note: Gradient accumulation without sync]. They stay in the
         parameter dtype on the unsharded parameters' ``.grad``, unless a
-        different reduce dtype is set: then they are moved aside into it.
+        different reduce dtype is set: then they are kept in it (see
+        [Note: Gradient accumulation dtype]).
         """
         reduce_dtype = self.reduce_dtype
         if reduce_dtype is None or reduce_dtype == (self.param_dtype or self.orig_dtype):
             return
+        if ACCUMULATE_IN_GRAD_DTYPE:
+            self._set_grad_dtypes(defer=False)
+            return
         for p in self.fsdp_params:
             p.hold_grad_in(reduce_dtype)
+
+    def _set_grad_dtypes(self, defer: bool) -> None:
+        """[Note: Gradient accumulation dtype]
+        From torch 2.15 upstream makes autograd accumulate an unsharded gradient
+        in the reduce dtype (``Tensor.grad_dtype``) when it is wider than the
+        compute dtype: a gradient held across backwards (no sync) is upcast
+        once and every later contribution is added to it in that dtype, in
+        autograd's order. Before 2.15 gradients accumulate in the compute dtype
+        within a backward and are moved aside into the reduce dtype after it.
+        fsdp2 follows the installed torch, so sums round as upstream's do.
+        """
+        if not ACCUMULATE_IN_GRAD_DTYPE or self.reduce_dtype is None:
+            return
+        for p in self.fsdp_params:
+            p.set_grad_dtype(self.reduce_dtype, defer, self.reduce_grads)
 
     def finish_backward_pass(self, defer_reduction: bool = False) -> None:
         """Autograd finished a backward: run the post-backward it did not reach.
@@ -619,6 +643,7 @@ class FSDPParamGroup(GradientReduction):
         self.wait_for_grad_offload()
         for p in self.fsdp_params:
             p.take_unsharded_grad()
+        self._set_grad_dtypes(defer=False)
         self.training_state = TrainingState.IDLE
         self.post_backward_pending = False
         self._post_forward_indices.clear()

@@ -9,6 +9,8 @@ torch 2.15:
 - ``MixedPrecisionPolicy(reduce_dtype=None)`` reduces gradients in the
   parameter's own dtype (fp32 for fp32 parameters under ``param_dtype=bf16``);
   before, it reduced in ``param_dtype``. See ``REDUCE_IN_PARAM_DTYPE_BY_DEFAULT``.
+- Gradients accumulated across backwards (no sync, chunked losses) add up in
+  the reduce dtype as autograd produces them (``ACCUMULATE_IN_GRAD_DTYPE``).
 - New public API: ``GradientReductionHandle``,
   ``FSDPModule.set_manual_backward_finalization``,
   ``FSDPModule.finalize_backward(async_op=...)``,
@@ -48,6 +50,11 @@ TESTED_RELEASES: tuple[tuple[int, int], ...] = ((2, 13), (2, 15))
 #: With ``reduce_dtype=None`` and a ``param_dtype`` set, gradients are reduced in the
 #: parameter's original dtype (torch >= 2.15) rather than in ``param_dtype``.
 REDUCE_IN_PARAM_DTYPE_BY_DEFAULT: bool = TORCH_RELEASE >= (2, 15)
+
+#: Unsharded gradients accumulate across backwards in the reduce dtype through
+#: ``Tensor.grad_dtype`` (torch >= 2.15); before, in the compute dtype within a
+#: backward. See [Note: Gradient accumulation dtype] in param_group.py.
+ACCUMULATE_IN_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
 
 #: torch.distributed.pipelining drives FSDP stages only through FSDPModule's public
 #: methods (torch >= 2.15), so patch_torch() can hand it fsdp2's modules; before, it

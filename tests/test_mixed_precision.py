@@ -42,6 +42,8 @@ from models import (
 )
 from torch.distributed.tensor import DTensor
 
+from fsdp2.versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
+
 BF16, FP32 = torch.bfloat16, torch.float32
 STEPS = 3
 PER_RANK_BATCH = 2
@@ -120,7 +122,9 @@ class HandCastReference:
                 per_rank[name].append(p.grad)
         for name, grads in per_rank.items():
             policy = self.policy_of[name]
-            reduce_dtype = policy.get("reduce_dtype") or policy.get("param_dtype") or FP32
+            # reduce_dtype=None: param_dtype before torch 2.15, the parameter's fp32 after
+            default = FP32 if REDUCE_IN_PARAM_DTYPE_BY_DEFAULT else policy.get("param_dtype")
+            reduce_dtype = policy.get("reduce_dtype") or default or FP32
             total = grads[0].to(reduce_dtype)
             for g in grads[1:]:
                 total = total + g.to(reduce_dtype)
@@ -236,7 +240,7 @@ def _rel_dist(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> f
 
 def _check_parity_and_reduce_precision(rank, world_size, metrics):
     bf16_reduced, exact_mean = _train_against_reference(
-        rank, world_size, _transformer_policies(None), metrics, "bf16 reduce"
+        rank, world_size, _transformer_policies(BF16), metrics, "bf16 reduce"
     )
     fp32_reduced, _ = _train_against_reference(
         rank, world_size, _transformer_policies(FP32), metrics, "fp32 reduce"
@@ -331,11 +335,14 @@ def _check_collective_dtypes(rank, world_size, metrics):
     )
     assert ag32[0] == {FP32} and rs32[0] == {FP32}, (ag32, rs32)
     assert ag16[0] == {BF16} and ag16r[0] == {BF16}, "the all-gather must carry param_dtype"
-    assert rs16[0] == {BF16}, f"reduce_dtype=None reduces in param_dtype, got {rs16[0]}"
+    # reduce_dtype=None: param_dtype before torch 2.15, the parameters' dtype after
+    default = FP32 if REDUCE_IN_PARAM_DTYPE_BY_DEFAULT else BF16
+    assert rs16[0] == {default}, f"reduce_dtype=None reduces in {default}, got {rs16[0]}"
     assert rs16r[0] == {FP32}, f"reduce_dtype=float32 must reduce in fp32, got {rs16r[0]}"
     # same collectives, half the bytes on the wire
     assert ag16[2] == ag32[2] and ag16[1] * 2 == ag32[1], (ag16, ag32)
-    assert rs16[1] * 2 == rs32[1] and rs16r[1] == rs32[1], (rs16, rs16r, rs32)
+    assert rs16[1] * (2 if default == BF16 else 1) == rs32[1], (rs16, rs32)
+    assert rs16r[1] == rs32[1], (rs16r, rs32)
     metrics["all-gather bytes fp32 -> bf16"] = (ag32[1], ag16[1])
 
 
