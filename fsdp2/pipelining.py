@@ -29,6 +29,12 @@ The schedule's own ``UNSHARD`` / ``RESHARD`` actions (multi-stage schedules)
 recognize upstream's class only; for fsdp2 modules they are skipped, and each
 forward gathers what it needs instead (see the README's Pipeline parallelism
 section).
+
+From torch 2.15 torch's stage drives FSDP modules through public methods only
+(``set_manual_backward_finalization``, ``finalize_backward(async_op=True)``),
+so under ``fsdp2.patch_torch()`` torch's own ``PipelineStage`` and schedules
+(their ``UNSHARD`` / ``RESHARD`` actions too) recognize fsdp2's modules; this
+class then leaves them to torch and behaves exactly as torch's stage.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining import stage as _torch_stage
 
 from ._torch_compat import after_stage_metadata_inference
 from .module import FSDPModule
@@ -54,7 +61,9 @@ class PipelineStage(_TorchPipelineStage):
 
     def _fsdp2_root(self) -> FSDPModule | None:
         submod = self.submod
-        return submod if isinstance(submod, FSDPModule) else None
+        if not isinstance(submod, FSDPModule) or _torch_drives(submod):
+            return None
+        return submod
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
@@ -75,6 +84,17 @@ class PipelineStage(_TorchPipelineStage):
             root.finish_backward()
         # torch's part: gradient scaling (its FSDP branch does not apply to fsdp2's modules).
         super().perform_reduce_grad(grad_scale_factor)
+
+
+def _torch_drives(module: FSDPModule) -> bool:
+    """Whether torch's own stage code treats ``module`` as its FSDP module.
+
+    From torch 2.15, under ``patch_torch()``, torch's pipelining recognizes
+    fsdp2's modules and drives them through their public methods (manual
+    backward finalization); this class then adds nothing.
+    """
+    torch_fsdp_module = getattr(_torch_stage, "FSDPModule", None)
+    return torch_fsdp_module is not None and isinstance(module, torch_fsdp_module)
 
 
 def _reset_after_inference(stage: PipelineStage) -> None:

@@ -17,6 +17,10 @@ implementation.
   schedule each; torch's own ``PipelineStage`` over fsdp2 modules (as before:
   same losses and parameters, more collectives).
 - W = 8: (pp=2, dp=2, tp=2), blocks tensor-parallel on ``tp``, 1F1B.
+- torch >= 2.15: torch's own ``PipelineStage`` over fsdp2 modules under
+  ``fsdp2.patch_torch()`` (its manual, async backward finalization), held to
+  the same bar: GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV, and
+  1F1B in mixed precision.
 - ``FSDPModule.finish_backward`` on its own (fsdp2 only).
 
 Collectives are counted by wrapping the ``torch.distributed`` functions
@@ -41,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp2.pipelining
+from fsdp2.versions import PIPELINING_USES_PUBLIC_FSDP_API
 
 D = 9  # odd: dp shards are uneven
 MICROBATCHES = 4
@@ -136,16 +141,24 @@ def _train(schedule, shard, stage_cls, mesh, mp=False, reshard_after_forward=Non
     return counts, losses, params, groups
 
 
-def _parity_case(schedule, mp=False, reshard_after_forward=None, ours_stage=None):
-    """Ours (or, with ``ours_stage``, that stage class over ours) against upstream's run."""
+def _parity_case(schedule, mp=False, reshard_after_forward=None, ours_stage=None, patched=False):
+    """Ours (or, with ``ours_stage``, that stage class over ours) against upstream's run.
+
+    ``patched``: torch's own stage over ours under ``fsdp2.patch_torch()``
+    (torch >= 2.15), held to the same bar as ``fsdp2.pipelining``.
+    """
 
     def case(rank, world_size):
         dims = ("pp", "dp", "tp")[: 3 if world_size == 8 else 2]
         mesh = init_device_mesh("cpu", (2,) * len(dims), mesh_dim_names=dims)
         settings = {"mp": mp, "reshard_after_forward": reshard_after_forward}
         base = _train(schedule, upstream.fully_shard, pipelining.PipelineStage, mesh, **settings)
-        stage_cls = ours_stage or fsdp2.pipelining.PipelineStage
-        ours = _train(schedule, fully_shard, stage_cls, mesh, **settings)
+        if patched:
+            with fsdp2.patch_torch():
+                ours = _train(schedule, fully_shard, pipelining.PipelineStage, mesh, **settings)
+        else:
+            stage_cls = ours_stage or fsdp2.pipelining.PipelineStage
+            ours = _train(schedule, fully_shard, stage_cls, mesh, **settings)
         (base_counts, base_losses, base_params, groups), (counts, losses, params, _) = base, ours
         # Bitwise; torch's own stage reduces per micro-batch, which rounds differently.
         tol = {"rtol": 1e-5, "atol": 1e-6} if ours_stage else {"rtol": 0, "atol": 0}
@@ -235,6 +248,10 @@ CASES_4 |= {
 }
 if IMPL == "fsdp2":
     CASES_4["finish_backward"] = _finish_backward_case
+PATCHED = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+if IMPL == "fsdp2" and PIPELINING_USES_PUBLIC_FSDP_API:
+    CASES_4 |= {f"{name}/patched": _parity_case(name, patched=True) for name in PATCHED}
+    CASES_4["1F1B/patched/mp"] = _parity_case("1F1B", mp=True, patched=True)
 CASES_8 = {"1F1B": _parity_case("1F1B")}
 
 
@@ -269,6 +286,17 @@ def test_torchs_own_stage_still_trains_the_same(case):
 def test_with_tensor_parallel():
     """pp=2 x dp=2 x tp=2 (W = 8), 1F1B: identical to upstream, no more collectives."""
     check_case(_launch(8), "1F1B")
+
+
+@fsdp2_only
+@pytest.mark.skipif(
+    not PIPELINING_USES_PUBLIC_FSDP_API,
+    reason="torch's pipelining reads upstream's private FSDP state before torch 2.15",
+)
+@pytest.mark.parametrize("case", [*(f"{n}/patched" for n in PATCHED), "1F1B/patched/mp"])
+def test_torchs_own_stage_under_patch_torch(case):
+    """torch >= 2.15: torch's PipelineStage over fsdp2 under patch_torch(): bitwise, no more collectives."""
+    check_case(_launch(4), case)
 
 
 @fsdp2_only
