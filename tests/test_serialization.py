@@ -17,6 +17,7 @@ import copy
 import io
 import pickle
 import re
+import zipfile
 
 import pytest
 import torch
@@ -98,6 +99,12 @@ def _saved(obj: object) -> bytes:
     return buf.getvalue()
 
 
+def _data_bytes(data: bytes) -> int:
+    """Bytes of tensor data in a ``torch.save`` archive (its storage records)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+
+
 def _load(data: bytes) -> object:
     return torch.load(io.BytesIO(data), weights_only=False)
 
@@ -149,6 +156,10 @@ def _assert_like_upstream(ours: object, theirs: object, where: str) -> None:
             assert abs(len(data) - len(ref)) <= slack, (
                 f"{where}: {op} wrote {len(data)} B, upstream {len(ref)} B"
             )
+            if op == "torch.save":  # the tensor data itself: exactly upstream's
+                assert _data_bytes(data) == _data_bytes(ref), (
+                    f"{where}: {_data_bytes(data)} B of tensor data, upstream {_data_bytes(ref)} B"
+                )
             _assert_equal(load(data), ours, f"{where} ({op} round trip)")
     (kind, copied), (ref_kind, ref) = _outcome(copy.deepcopy, ours), _outcome(copy.deepcopy, theirs)
     assert kind == ref_kind, f"{where}: deepcopy: {kind} {copied}; upstream: {ref_kind} {ref}"
