@@ -106,7 +106,7 @@ def _data_bytes(data: bytes) -> int:
 
 
 def _load(data: bytes) -> object:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data))
 
 
 def _num_tensors(obj: object) -> int:
