@@ -162,6 +162,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}  # resizable storages seen, by id
+        self._owners: dict[int, weakref.ref] = {}  # see _owner
         self._tagged: set[int] = set()
         self.current = self.peak = 0
         self.tagged = self.peak_untagged = 0
@@ -174,17 +176,46 @@ class LiveBytes(TorchDispatchMode):
         self.peak_untagged = self.current - self.tagged
 
     def _drop(self, key: int) -> None:
+        self._refs.pop(key, None)
         size = self._sizes.pop(key, 0)
         self.current -= size
         if key in self._tagged:
             self._tagged.discard(key)
             self.tagged -= size
 
-    @staticmethod
-    def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
         if isinstance(t, DTensor):
             t = t._local_tensor
-        return None if t.device.type == "meta" else t.untyped_storage()
+        if t.device.type == "meta":
+            return None
+        st = t.untyped_storage()
+        return st if st.resizable() else self._owner(st)
+
+    def _owner(self, st: torch.UntypedStorage) -> torch.UntypedStorage:
+        """The counted storage whose memory ``st`` aliases, else ``st``.
+
+        A storage that cannot be resized does not own its memory (DLPack,
+        from_blob): fsdp2's sharded parameters alias their group's flat buffer
+        this way, and only that buffer's bytes are live.
+        """
+        key = id(st)
+        owner = self._owners.get(key)
+        if owner is None:
+            start, stop = st.data_ptr(), st.data_ptr() + st.nbytes()
+            for ref in self._refs.values():
+                cand = ref()
+                if (
+                    cand is not None and cand.nbytes() > 0
+                    and cand.data_ptr() <= start and stop <= cand.data_ptr() + cand.nbytes()
+                ):
+                    owner = ref
+                    break
+            else:
+                owner = weakref.ref(st)
+            self._owners[key] = owner
+            weakref.finalize(st, self._owners.pop, key, None)
+        owned = owner()
+        return st if owned is None else owned
 
     def see(self, t: torch.Tensor) -> None:
         st = self._storage(t)
@@ -207,6 +238,8 @@ class LiveBytes(TorchDispatchMode):
         if old is None:
             weakref.finalize(st, self._drop, key)
             old = self._sizes[key] = 0
+            if st.resizable():
+                self._refs[key] = weakref.ref(st)
         if old != size:
             self._sizes[key] = size
             self.current += size - old

@@ -9,6 +9,17 @@ holds ``ceil(d0 / W) * prod(rest)`` elements (the padded shard) so every rank
 contributes the same number of elements to the collectives. The padding rows
 sit past the view and are never visible to users.
 
+Each sharded parameter's local tensor has a *storage of its own* over its
+slot's memory (``own_storage`` in shard_storage.py), not the flat buffer's
+storage at an offset. Anything that works per storage then sees just this
+parameter's padded shard, as with upstream (whose shards are separate
+allocations): ``torch.save``, ``pickle`` and ``copy.deepcopy`` write and copy
+the padded shard, transports that ship ``untyped_storage()`` (torchft) send
+it, and a state-dict tensor can neither resize nor replace the group's
+buffer. It still aliases the live shard, as upstream's does: writing into it
+writes the parameter. The flat buffer stays the all-gather input, with no
+copy-in. Holding such a tensor keeps the group's whole buffer allocated.
+
 [Note: Unsharded parameter lifetime]
 The unsharded parameter is created once and written in place after every
 all-gather; it is in the group's ``param_dtype`` under mixed precision and on
@@ -60,6 +71,7 @@ from ._torch_compat import (
 from .errors import FSDPAssertionError
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .mesh import FSDPMeshInfo
+from .shard_storage import can_own_storage, own_storage
 
 _MODULE_SETATTR = nn.Module.__setattr__
 
@@ -243,6 +255,13 @@ class FSDPParam:
         """The unpadded local shard as a view of this parameter's padded slot."""
         return slot[: self.local_rows * self.row_numel].view(self.local_size)
 
+    def local_view(self, slot: torch.Tensor) -> torch.Tensor:
+        """The local shard as a view of ``slot``'s memory through a storage of its own.
+
+        See [Note: Sharded parameter storage].
+        """
+        return self.slot_view(own_storage(slot))
+
     def bind_sharded(self, slot: torch.Tensor, source: torch.Tensor) -> None:
         """Create the sharded DTensor parameter as a view of ``slot``.
 
@@ -254,7 +273,7 @@ class FSDPParam:
         if not self.in_flat:
             local = self._extension_shard(source)
         else:
-            local = self.slot_view(slot)
+            local = self.local_view(slot)
         if not local.is_meta and self.local_rows > 0 and self.in_flat:
             local.copy_(self.local_rows_of(source.detach()))
         dtensor = DTensor.from_local(
@@ -305,9 +324,9 @@ class FSDPParam:
         if not self.in_flat:
             return  # outside the flat buffer: its own padded shard
         local = local_tensor(self.sharded_param)
-        view = self.slot_view(slot)
-        if self.is_view_of_slot(view):
+        if self.is_view_of_slot(slot):
             return
+        view = self.local_view(slot)
         if not view.is_meta and self.local_rows > 0:
             view.copy_(local)
         if self.extension is not None and not view.is_meta:
@@ -328,23 +347,29 @@ class FSDPParam:
         it (modules, optimizers) sees the change.
         """
         param = self.sharded_param
-        view = self.slot_view(slot)
+        view = self.local_view(slot)
         torch.utils.swap_tensors(param, dtensor_parameter(param, view, param.requires_grad))
         self.dtype = view.dtype
 
-    def is_view_of_slot(self, view: torch.Tensor) -> bool:
+    def is_view_of_slot(self, slot: torch.Tensor) -> bool:
+        """Whether the local shard is already ``local_view(slot)``'s memory."""
         local = local_tensor(self.sharded_param)
+        view = self.slot_view(slot)
         if local.device != view.device or local.dtype != view.dtype:
             return False
+        if local.size() != view.size() or local.stride() != view.stride():
+            return False
+        if can_own_storage(slot):
+            # See [Note: Sharded parameter storage]: the slot's memory, its own storage.
+            storage = local.untyped_storage()
+            return local.data_ptr() == view.data_ptr() and storage.nbytes() == slot.nbytes
         if view.numel() == 0:
             return local.numel() == 0 and local is view
-        if local.storage_offset() != view.storage_offset():
-            return False
         # Fake tensors (the planner, fsdp2.plan) all report data pointer 0: compare
         # the storage objects themselves, which torch keeps one per storage.
-        mine, slot_storage = local.untyped_storage(), view.untyped_storage()
-        return mine is slot_storage or (
-            mine.device.type != "meta" and mine.data_ptr() == slot_storage.data_ptr()
+        return (
+            local.storage_offset() == view.storage_offset()
+            and local.untyped_storage() is view.untyped_storage()
         )
 
     def adopt_registered(self) -> None:

@@ -199,9 +199,12 @@ def _assert_views_of_flat_buffers(model: nn.Module) -> None:
         if state is None or state.param_group is None:
             continue
         flat = state.param_group.sharded_flat
+        start, stop = flat.data_ptr(), flat.data_ptr() + flat.nbytes
         for p in state.param_group.fsdp_params:
             local = p.sharded_param.to_local()
-            assert local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), p.fqn
+            assert start <= local.data_ptr() < stop, p.fqn  # the buffer's memory
+            slot_nbytes = p.padded_shard_numel * local.element_size()
+            assert local.untyped_storage().nbytes() == slot_nbytes, p.fqn  # its slot only
 
 
 def _train(model: nn.Module, dtype: torch.dtype, world_size: int, rank: int | None) -> list[float]:
