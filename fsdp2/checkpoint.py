@@ -244,7 +244,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any) -> str:
     try:
         dcp.save(state, checkpoint_id=partial, process_group=group)
     except CheckpointException as exc:  # DCP raises it on every rank, with every rank's error
-        discard(final, group)
+        # DCP's collectives still work (they carried the error): clean up in step.
+        agree("save_checkpoint: cleaning up", None, lambda: discard(final), group)
         failures = "; ".join(
             f"rank {rank}: {type(err).__name__}: {err}"
             for rank, (err, _) in sorted(exc.failures.items())

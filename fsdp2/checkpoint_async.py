@@ -27,7 +27,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -39,17 +39,36 @@ from ._torch_compat import dtensor_like
 logger = logging.getLogger("fsdp2.checkpoint")
 
 _executor: ThreadPoolExecutor | None = None
-_in_flight: Future | None = None
+_in_flight: SaveFuture | None = None
 _group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
 _pinned: dict[tuple, torch.Tensor] = {}  # staging buffers in pinned memory, by key path
 
 
+class SaveFuture(Future):
+    """A save in flight. Its error is raised once: by ``result()``, or else by the next save."""
+
+    _seen = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        finally:
+            self._seen = self._seen or self.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        self._seen = True
+        return error
+
+
 def wait_pending() -> None:
-    """Wait for the save in flight, if any; raise its error here."""
+    """Wait for the save in flight, if any; raise its error here unless it was seen already."""
     global _in_flight
     future, _in_flight = _in_flight, None
     if future is not None:
-        future.result()
+        wait([future])
+        if not future._seen:
+            future.result()
 
 
 def background_group() -> Any:
@@ -67,15 +86,23 @@ def background_group() -> Any:
     return _group[1]
 
 
-def submit(job: Callable[[], Any]) -> Future:
+def submit(job: Callable[[], Any]) -> SaveFuture:
     """Run ``job`` on the checkpoint thread; it is the save in flight until it is waited for."""
     global _executor, _in_flight
     if _in_flight is not None:
         raise AssertionError("a checkpoint save is already in flight")
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-checkpoint")
-    _in_flight = _executor.submit(job)
-    return _in_flight
+    future = _in_flight = SaveFuture()
+
+    def run() -> None:
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(exc)
+
+    _executor.submit(run)
+    return future
 
 
 def stage(state: Any) -> Any:
@@ -116,5 +143,6 @@ def _host_copy(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
 def _report_at_exit() -> None:
     # Python lets the thread finish its save before exiting; a failure nobody
     # waited for would otherwise vanish with the process.
-    if _in_flight is not None and _in_flight.done() and _in_flight.exception() is not None:
-        logger.error("the last asynchronous checkpoint save failed: %s", _in_flight.exception())
+    future = _in_flight
+    if future is not None and future.done() and not future._seen and future.exception():
+        logger.error("the last asynchronous checkpoint save failed: %s", future.exception())

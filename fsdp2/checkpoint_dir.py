@@ -125,10 +125,9 @@ def commit(final: Path, keep: int | None) -> None:
         _prune(final.parent, keep)
 
 
-def discard(final: Path, group: Any = None) -> None:
+def discard(final: Path) -> None:
     """Rank 0, after a failed write: free what the partial folder holds (a full disk needs it)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0:
-        shutil.rmtree(partial_dir(final), ignore_errors=True)
+    shutil.rmtree(partial_dir(final), ignore_errors=True)
 
 
 def _prune(root: Path, keep: int) -> None:
