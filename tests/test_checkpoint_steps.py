@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -74,6 +75,18 @@ def _barrier_then(rank, fn):
 # ---------------------------------------------------------------- keep-last-k, latest, async
 
 
+def _gate_writes():
+    """Hold every FileSystemWriter write until the returned event is set (at most 60 s)."""
+    gate, original = threading.Event(), FileSystemWriter.write_data
+
+    def gated(self, *args, **kwargs):
+        assert gate.wait(60), "the gate was never opened"
+        return original(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = gated
+    return gate
+
+
 def _keep_body(rank, world_size, root):
     model, optim = _build(cpu_mesh())
     assert load_latest(root, model, optim) is None  # no root yet: nothing to load
@@ -81,14 +94,18 @@ def _keep_body(rank, world_size, root):
     for step in range(1, 6):
         _train(model, optim, step - 1, step, rank, world_size)
         snapshots[step] = _snapshot(model)
+        gate = _gate_writes() if step == 5 else None
         pending = save_checkpoint(root, model, optim, step=step, keep=2, extra={"note": step},
                                   async_save=step % 2 == 1)
         assert isinstance(pending, Future) if step % 2 else pending is None
         if previous is not None:  # one save in flight at most: this call waited for it
             assert previous.done() and previous.result() == os.path.join(root, f"step-{step - 1}")
         previous = pending
-    # training changes the parameters while step 5 is (maybe) still being written
+    # the call returned before step 5 was written; training changes the parameters, then
+    # the write goes on: it must write the copy taken at the call
+    assert not pending.done()
     _train(model, optim, 5, 6, rank, world_size)
+    gate.set()
     assert pending.result() == os.path.join(root, "step-5")
     assert sorted(os.listdir(root)) == ["step-4", "step-5"], os.listdir(root)
 
