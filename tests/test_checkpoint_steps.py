@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import threading
 from concurrent.futures import Future
@@ -302,3 +303,49 @@ def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_s
     assert f"cannot write into {blocked}" in unwritable and "NotADirectoryError" in unwritable
     assert "writable" in unwritable, unwritable
     assert "rank 0: (2, None, False, 'step-2'), rank 1: (3, None, False, 'step-3')" in mismatch
+
+
+# ---------------------------------------------------------------- the README's example
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _readme_blocks():
+    """The Python blocks of the README's Checkpoints section, in order."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("\n## Checkpoints\n"):]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+
+
+def _readme_body(rank, world_size, workdir, num_steps):
+    os.chdir(workdir)  # the second block saves to a relative path
+    model, optim = _build(cpu_mesh())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 / (1 + i))
+    losses = []
+
+    def train_step(step):
+        losses.extend(_train(model, optim, step - 1, step, rank, world_size))
+        sched.step()
+
+    first, second = _readme_blocks()[:2]
+    env = {"model": model, "optim": optim, "sched": sched, "train_step": train_step,
+           "ckpt_dir": "steps", "num_steps": num_steps, "save_every": 1}
+    exec(first, env)
+    exec(second, env)  # the page goes on: same names
+    return losses, sched.last_epoch
+
+
+def test_readme_checkpoint_example_runs_and_resumes(tmp_path):
+    """The README's calls: 4 steps, then a restart to 6 resumes at 4 with an unbroken run's losses; 3 newest kept."""
+    workdir = str(tmp_path)
+    first = run_ranks(_readme_body, 2, workdir, 4)
+    second = run_ranks(_readme_body, 2, workdir, 6)
+    (tmp_path / "unbroken").mkdir()
+    unbroken = run_ranks(_readme_body, 2, str(tmp_path / "unbroken"), 6)
+    for rank in range(2):
+        assert first[rank][0] + second[rank][0] == unbroken[rank][0], rank
+        assert second[rank][1] == 6  # the scheduler came back at step 4 and went on
+    assert sorted(os.listdir(tmp_path / "steps")) == ["step-4", "step-5", "step-6"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["best"]
