@@ -107,35 +107,39 @@ def submit(job: Callable[[], Any]) -> SaveFuture:
 
 def stage(state: Any) -> Any:
     """A copy of ``state`` that training may not touch: tensors on the host, containers new."""
-    copied = _copy(state, ())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    devices: set[torch.device] = set()
+    copied = _copy(state, (), devices)
+    for device in devices:  # the non-blocking device-to-host copies have landed
+        torch.cuda.synchronize(device)
     return copied
 
 
-def _copy(value: Any, path: tuple) -> Any:
+def _copy(value: Any, path: tuple, devices: set) -> Any:
     if isinstance(value, DTensor):
-        return dtensor_like(value, _host_copy(value.to_local(), path))
+        return dtensor_like(value, _host_copy(value.to_local(), path, devices))
     if isinstance(value, torch.Tensor):
-        return _host_copy(value, path)
+        return _host_copy(value, path, devices)
     if isinstance(value, dict):
-        return {k: _copy(v, (*path, k)) for k, v in value.items()}
+        return {k: _copy(v, (*path, k), devices) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_copy(v, (*path, i)) for i, v in enumerate(value)]
+        items = [_copy(v, (*path, i), devices) for i, v in enumerate(value)]
         return items if isinstance(value, list) else type(value)(items)
     return value  # numbers, strings: immutable
 
 
-def _host_copy(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, path: tuple, devices: set) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type == "cpu":
         return tensor.clone()
+    if tensor.device.type != "cuda":  # no pinned memory to reuse: a plain copy
+        return tensor.to("cpu")
     buf = _pinned.get(path)
     if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
         buf = _pinned[path] = torch.empty(
             tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
         )
     buf.copy_(tensor, non_blocking=True)
+    devices.add(tensor.device)
     return buf
 
 

@@ -349,3 +349,21 @@ def test_readme_checkpoint_example_runs_and_resumes(tmp_path):
         assert second[rank][1] == 6  # the scheduler came back at step 4 and went on
     assert sorted(os.listdir(tmp_path / "steps")) == ["step-4", "step-5", "step-6"]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["best"]
+
+
+def test_one_process_without_a_process_group(tmp_path):
+    """No init_process_group: sync and async saves, keep and load_latest work on a plain module."""
+    model = build_transformer(seed=36)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    save_checkpoint(tmp_path, model, optim, step=1, keep=1)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pending = save_checkpoint(tmp_path, model, optim, step=2, keep=1, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # after the call: not in the checkpoint
+    assert pending.result() == str(tmp_path / "step-2")
+    assert sorted(os.listdir(tmp_path)) == ["step-2"]
+    fresh = build_transformer(seed=37)
+    assert load_latest(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
