@@ -101,17 +101,17 @@ def save_checkpoint(
     wait_pending()
     final = step_dir(checkpoint_id, step) if step is not None else Path(checkpoint_id)
     state = _state(model, optim, extra)
-    group = background_group() if async_save else None
+    # On the default group: the ranks must agree on async_save before making its group.
     agree(
         f"save_checkpoint: cannot write into {final.parent}",
         (step, keep, async_save, final.name),
         lambda: prepare(final),
-        group,
-        _WRITE_HINT,
+        hint=_WRITE_HINT,
     )
     if not async_save:
-        _write(state, final, keep, group)
+        _write(state, final, keep, None)
         return None
+    group = background_group()
     staged = stage(state)
     return submit(lambda: _write(staged, final, keep, group))
 

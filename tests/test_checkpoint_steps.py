@@ -278,9 +278,10 @@ def _errors_body(rank, world_size, root, blocked):
     with pytest.raises(RuntimeError) as info:  # a file where a folder should be
         save_checkpoint(os.path.join(blocked, "ckpt"), model, optim, step=2)
     messages.append(str(info.value))
-    with pytest.raises(ValueError) as info:
-        save_checkpoint(root, model, optim, step=2 + rank)
-    messages.append(str(info.value))
+    for kwargs in ({"step": 2 + rank}, {"step": 2, "async_save": rank == 0}):
+        with pytest.raises(ValueError) as info:
+            save_checkpoint(root, model, optim, **kwargs)
+        messages.append(str(info.value))
 
     fresh, fresh_optim = _build(cpu_mesh(), seed=35)
     assert load_latest(root, fresh, fresh_optim) == 1
@@ -289,12 +290,12 @@ def _errors_body(rank, world_size, root, blocked):
 
 
 def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_step(tmp_path):
-    """Disk full on one rank (sync, async), an unwritable root, mismatched steps: one error everywhere, step 1 kept."""
+    """Disk full on one rank (sync, async), an unwritable root, mismatched arguments: one error everywhere, step 1 kept."""
     root, blocked = str(tmp_path / "ckpt"), tmp_path / "a_file"
     blocked.write_text("not a folder")
     messages = run_ranks(_errors_body, 2, root, str(blocked))
     assert messages[0] == messages[1]  # the same error on every rank
-    full_sync, full_async, unwritable, mismatch = messages[0]
+    full_sync, full_async, unwritable, steps, modes = messages[0]
     step2 = os.path.join(root, "step-2")
     for message in (full_sync, full_async):
         assert f"writing {step2} failed" in message, message
@@ -302,7 +303,8 @@ def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_s
         assert "earlier checkpoints are as they were" in message, message
     assert f"cannot write into {blocked}" in unwritable and "NotADirectoryError" in unwritable
     assert "writable" in unwritable, unwritable
-    assert "rank 0: (2, None, False, 'step-2'), rank 1: (3, None, False, 'step-3')" in mismatch
+    assert "rank 0: (2, None, False, 'step-2'), rank 1: (3, None, False, 'step-3')" in steps
+    assert "rank 0: (2, None, True, 'step-2'), rank 1: (2, None, False, 'step-2')" in modes
 
 
 # ---------------------------------------------------------------- the README's example
