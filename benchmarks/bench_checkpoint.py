@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import FSDP_IMPLS, Trainer, max_over_ranks
+from common import FSDP_IMPLS, Trainer, max_over_ranks, rotated
 
 _STEPS_PER_SAVE = 6  # steps run after each async save (those that overlap it count)
 
@@ -57,41 +57,30 @@ def _savers(impl: str, tr: Trainer, root: str):
     return sync, background
 
 
-def _measure(impl: str, cfg: dict, root: str) -> dict:
-    tr = Trainer(impl, cfg)
-    for i in range(cfg["warmup"]):
+def _one_round(tr: Trainer, savers, n: int, times: dict) -> None:
+    """Idle steps, a sync save, an async save and the steps that overlap it."""
+    sync, background = savers
+    for i in range(_STEPS_PER_SAVE):
+        dist.barrier()
+        t0 = time.perf_counter()
         tr.step(i)
-    sync, background = _savers(impl, tr, root)
-    stall_sync, stall_async, idle, busy = [], [], [], []
-    for rep in range(cfg["ckpt_reps"]):
-        for i in range(_STEPS_PER_SAVE):
-            dist.barrier()
-            t0 = time.perf_counter()
-            tr.step(i)
-            idle.append(time.perf_counter() - t0)
+        times["step_idle"].append(time.perf_counter() - t0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    sync(2 * n)
+    times["stall_sync"].append(time.perf_counter() - t0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    pending = background(2 * n + 1)
+    times["stall_async"].append(time.perf_counter() - t0)
+    for i in range(_STEPS_PER_SAVE):
+        in_flight = _on_every_rank(not pending.done())
         dist.barrier()
         t0 = time.perf_counter()
-        sync(2 * rep)
-        stall_sync.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        pending = background(2 * rep + 1)
-        stall_async.append(time.perf_counter() - t0)
-        for i in range(_STEPS_PER_SAVE):
-            in_flight = _on_every_rank(not pending.done())
-            dist.barrier()
-            t0 = time.perf_counter()
-            tr.step(i)
-            if in_flight:
-                busy.append(time.perf_counter() - t0)
-        pending.result()
-    return {
-        "stall_sync": max_over_ranks(stall_sync),
-        "stall_async": max_over_ranks(stall_async),
-        "step_idle": max_over_ranks(idle),
-        "step_busy": max_over_ranks(busy),  # the same steps on every rank (_on_every_rank)
-        "busy_steps": len(busy),
-    }
+        tr.step(i)
+        if in_flight:
+            times["step_busy"].append(time.perf_counter() - t0)
+    pending.result()
 
 
 def _on_every_rank(flag: bool) -> bool:
@@ -102,11 +91,28 @@ def _on_every_rank(flag: bool) -> bool:
 
 
 def checkpoint_body(rank: int, world_size: int, cfg: dict) -> dict:
-    """Runs on every rank: both implementations, saves into a temporary folder."""
+    """Runs on every rank: both implementations in turns, saving into a temporary folder."""
     root = [tempfile.mkdtemp(prefix="fsdp2_bench_ckpt_") if rank == 0 else None]
     dist.broadcast_object_list(root)
     try:
-        return {impl: _measure(impl, cfg, f"{root[0]}/{impl}") for impl in FSDP_IMPLS}
+        trainers = {impl: Trainer(impl, cfg) for impl in FSDP_IMPLS}
+        savers = {}
+        for impl, tr in trainers.items():
+            for i in range(cfg["warmup"]):
+                tr.step(i)
+            savers[impl] = _savers(impl, tr, f"{root[0]}/{impl}")
+        keys = ("stall_sync", "stall_async", "step_idle", "step_busy")
+        times = {impl: {k: [] for k in keys} for impl in FSDP_IMPLS}
+        # Disk speed drifts on a shared machine: the implementations take turns.
+        for n in range(cfg["ckpt_reps"]):
+            for impl in rotated(list(FSDP_IMPLS), n):
+                _one_round(trainers[impl], savers[impl], n, times[impl])
+        out = {}
+        for impl, t in times.items():
+            # every rank counted the same overlapped steps (_on_every_rank)
+            out[impl] = {k: max_over_ranks(v) for k, v in t.items()}
+            out[impl]["busy_steps"] = len(t["step_busy"])
+        return out
     finally:
         dist.barrier()
         if rank == 0:

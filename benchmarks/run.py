@@ -46,7 +46,7 @@ FULL = {
     "hook_reps": 100,
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
-    "ckpt_reps": 3,
+    "ckpt_reps": 6,
     "timeout": 420,
 }
 QUICK = {
