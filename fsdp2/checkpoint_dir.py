@@ -12,8 +12,8 @@ written under its final name:
 2. every rank writes into ``.NAME.partial`` (DCP returns on rank 0 only after
    every rank's files and the metadata are written);
 3. rank 0 renames it to ``NAME`` (one ``rename``: atomic on POSIX
-   filesystems), fsyncs the root, and deletes the oldest complete steps
-   beyond ``keep`` and the ``.partial`` leftovers of older steps.
+   filesystems) and fsyncs the root; with ``keep``, it then deletes the
+   oldest complete steps beyond ``keep`` and the leftovers of older steps.
 
 A directory named ``step-N`` is therefore complete, and loaders never look at
 ``.partial`` ones. Re-saving a name that exists moves the old one aside
