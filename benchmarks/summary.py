@@ -81,6 +81,25 @@ def _optim_rows(raw: dict) -> list[dict]:
     ]
 
 
+def _checkpoint_rows(raw: dict) -> list[dict]:
+    c = raw.get("checkpoint")
+    if not c:
+        return []
+    ms = {n: {k: 1e3 * median(v) for k, v in c[n].items() if k != "busy_steps"} for n in c}
+    f, t = ms["fsdp2"], ms["torch"]
+    return [
+        ratio_row("checkpoint save stall, sync (ms)", f["stall_sync"], t["stall_sync"], None, 1.1),
+        ratio_row("checkpoint save stall, async (ms)", f["stall_async"], t["stall_async"], None,
+                  1.1),
+        row("async stall / sync stall", f["stall_async"] / f["stall_sync"],
+            t["stall_async"] / t["stall_sync"], None, "fsdp2 < 0.5",
+            f["stall_async"] < 0.5 * f["stall_sync"]),
+        ratio_row("step time, no save in flight (ms)", f["step_idle"], t["step_idle"]),
+        ratio_row(f"step time, async save in flight (ms; {c['fsdp2']['busy_steps']} / "
+                  f"{c['torch']['busy_steps']} steps)", f["step_busy"], t["step_busy"], None, 1.1),
+    ]
+
+
 def _hook_rows(raw: dict) -> list[dict]:
     rows = []
     for key, label in (("hooks_w1", "W=1 gloo"), ("hooks_fake", "W=8 fake PG")):
@@ -247,7 +266,8 @@ NOTES = """\
 def build_rows(raw: dict) -> list[dict]:
     rows = []
     for make in (
-        _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows
+        _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows,
+        _checkpoint_rows,
     ):
         try:
             rows += make(raw)

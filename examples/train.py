@@ -7,13 +7,17 @@ Launch (from the repository root, after ``pip install -e ".[demo]"``):
     python examples/train.py                            # 1 rank, no torchrun needed
     torchrun --nproc-per-node 4 examples/train.py --steps 100 --ckpt-dir /tmp/ckpt --ckpt-every 50
     torchrun --nproc-per-node 2 examples/train.py --steps 200 --ckpt-dir /tmp/ckpt --resume
+    torchrun --nproc-per-node 2 examples/train.py --ckpt-dir /tmp/ckpt --ckpt-every 10 --ckpt-async
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-id demo --rdzv-endpoint HOST:29500 examples/train.py   # on every node
 
 With CUDA each rank takes the GPU of its LOCAL_RANK and NCCL; without, gloo on CPU.
 ``--ckpt-dir`` saves a sharded checkpoint (torch.distributed.checkpoint) every
-``--ckpt-every`` steps and at the end; ``--resume`` continues from the latest
-one, at any world size (the second command above resumes on 2 ranks).
+``--ckpt-every`` steps and at the end, as ``DIR/step-N`` (the ``--ckpt-keep``
+newest are kept; ``--ckpt-async`` writes in the background while training goes
+on); ``--resume`` continues from the newest complete one, at any world size
+(the second command above resumes on 2 ranks). A run killed mid-save resumes
+from the step before.
 ``FSDP2_IMPL=torch`` runs the same script on upstream ``torch.distributed.fsdp``,
 for side-by-side comparisons (same seed: the loss curves should match).
 
@@ -58,7 +62,7 @@ elif FSDP2_IMPL == "fsdp2":
 else:
     raise SystemExit(f"FSDP2_IMPL must be 'fsdp2' or 'torch', got {FSDP2_IMPL!r}")
 # Checkpoints go through torch's public DCP API, so fsdp2's helpers serve either implementation.
-from fsdp2 import load_checkpoint, save_checkpoint  # noqa: E402
+from fsdp2 import load_latest, save_checkpoint  # noqa: E402
 
 # nn.init on a sharded (DTensor) parameter of a CPU mesh: each rank fills its own
 # shard from its own generator, which is all this script needs (same seed everywhere).
@@ -92,6 +96,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--ckpt-dir", type=Path, help="save sharded checkpoints here (DCP)")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--ckpt-keep", type=int, default=3, help="newest checkpoints kept")
+    p.add_argument(
+        "--ckpt-async", action="store_true", help="write checkpoints while training goes on"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's latest")
     args = p.parse_args()
     if args.steps < 1:
@@ -100,6 +108,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--resume needs --ckpt-dir")
     if args.ckpt_every < 1:
         p.error("--ckpt-every must be at least 1")
+    if args.ckpt_keep < 1:
+        p.error("--ckpt-keep must be at least 1")
     return args
 
 
@@ -196,19 +206,17 @@ def generate(
 
 def resume(ckpt_dir: Path, model: Transformer, optim, sched, gen: torch.Generator,
            data_len: int, opts: argparse.Namespace) -> int:
-    """Load the latest checkpoint (any world size); return the step to continue from."""
-    saved = sorted(ckpt_dir.glob("step_*"))
-    if not saved:
-        raise SystemExit(f"--resume: no step_* checkpoint in {ckpt_dir}")
-    extra = {"step": 0, "sched": sched}
-    load_checkpoint(saved[-1], model, optim, extra=extra)
-    if extra["step"] >= opts.steps:
-        raise SystemExit(f"{saved[-1]} is at step {extra['step']}: pass --steps beyond it")
-    for _ in range(extra["step"]):  # replay this rank's data draws: same batches as unbroken
+    """Load the newest complete checkpoint (any world size); return the step to continue from."""
+    step = load_latest(ckpt_dir, model, optim, extra={"sched": sched})
+    if step is None:
+        raise SystemExit(f"--resume: no complete step-N checkpoint in {ckpt_dir}")
+    if step >= opts.steps:
+        raise SystemExit(f"{ckpt_dir}/step-{step} is the latest: pass --steps beyond {step}")
+    for _ in range(step):  # replay this rank's data draws: same batches as unbroken
         torch.randint(0, data_len - opts.seq_len - 1, (opts.batch_size,), generator=gen)
     if dist.get_rank() == 0:
-        print(f"resumed from {saved[-1]} at step {extra['step']}", flush=True)
-    return extra["step"]
+        print(f"resumed from {ckpt_dir}/step-{step}", flush=True)
+    return step
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -256,6 +264,7 @@ def main() -> None:
     first = resume(opts.ckpt_dir, model, optim, sched, gen, len(data), opts) if opts.resume else 0
     progress = tqdm(range(first, opts.steps), desc="train", dynamic_ncols=True, disable=rank != 0)
     losses: list[float] = []
+    pending = None  # the checkpoint being written in the background (--ckpt-async)
     start = time.perf_counter()
     timed_from = start  # tokens/s excludes the first step (warm-up, lazy init)
     for step in progress:
@@ -273,8 +282,9 @@ def main() -> None:
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world_size)
         if opts.ckpt_dir and ((step + 1) % opts.ckpt_every == 0 or step + 1 == opts.steps):
-            extra = {"step": step + 1, "sched": sched}
-            save_checkpoint(opts.ckpt_dir / f"step_{step + 1:06d}", model, optim, extra=extra)
+            pending = save_checkpoint(opts.ckpt_dir, model, optim, step=step + 1,
+                                      keep=opts.ckpt_keep, extra={"sched": sched},
+                                      async_save=opts.ckpt_async)
         if step == first:
             timed_from = time.perf_counter()
         if rank == 0:
@@ -282,6 +292,8 @@ def main() -> None:
             tok_s = tokens_per_step * (step - first) / elapsed if step > first else 0.0
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
     progress.close()
+    if pending is not None:
+        pending.result()  # the last checkpoint is written (or its error raised)
 
     total = time.perf_counter() - start
     if rank == 0:

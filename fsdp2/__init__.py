@@ -5,7 +5,7 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_latest, save_checkpoint
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
 from .module import (
@@ -42,6 +42,7 @@ __all__ = [
     "enable_local_shard_step",
     "get_full_state_dict",
     "load_checkpoint",
+    "load_latest",
     "patch_torch",
     "save_checkpoint",
     "set_full_state_dict",

@@ -7,9 +7,14 @@ optimizer state by parameter name, and DCP writes every rank's shards with
 their global offsets, so a checkpoint saved at world size W loads at any W'
 (each rank reads the byte ranges its new shards cover). Nothing is gathered.
 
-These two functions are that recipe plus the check DCP lacks: before anything
-is read, the checkpoint's metadata is compared with the model and optimizer,
-and every missing, unexpected or resized tensor is reported by name in one
+These functions are that recipe plus what DCP leaves to its users: saves
+that become visible only once complete (see [Note: Atomic checkpoints] in
+``checkpoint_dir.py``), numbered steps under one root with the newest ``keep``
+kept and the newest complete one found again (:func:`load_latest`), saves
+written in the background (see [Note: Asynchronous checkpoints] in
+``checkpoint_async.py``), and the check DCP lacks: before anything is read,
+the checkpoint's metadata is compared with the model and optimizer, and
+every missing, unexpected or resized tensor is reported by name in one
 ``ValueError`` (DCP itself ignores tensors the model lacks and stops at the
 first problem). Values are read in place into the live parameters and
 optimizer states, so only an I/O error while reading can leave a partial load.
@@ -19,17 +24,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .checkpoint_async import background_group, stage, submit, wait_pending
+from .checkpoint_dir import (
+    METADATA,
+    agree,
+    commit,
+    complete_steps,
+    discard,
+    partial_dir,
+    prepare,
+    step_dir,
+)
+
 # torch.distributed.checkpoint is imported inside the functions: it adds about
 # half a second to `import fsdp2` and most runs never touch it.
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["load_checkpoint", "load_latest", "save_checkpoint"]
 
 _MAX_LISTED = 10
+_WRITE_HINT = (
+    "; nothing was committed and earlier checkpoints are as they were. Check that the "
+    "directory is writable and its filesystem has room, or save to another directory"
+)
 
 
 def save_checkpoint(
@@ -38,26 +61,83 @@ def save_checkpoint(
     optim: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, Any] | None = None,
-) -> None:
-    """Save a sharded checkpoint of ``model`` (and ``optim``) to the directory ``checkpoint_id``.
+    step: int | None = None,
+    keep: int | None = None,
+    async_save: bool = False,
+) -> Future[str] | None:
+    """Save a sharded checkpoint of ``model`` (and ``optim``); it appears only once complete.
 
     Collective: every rank calls it and writes its own shards (DCP's format,
     one file per rank plus metadata). ``extra`` holds anything else to resume
     with: values DCP can save (tensors, numbers, ...) and objects with
     ``state_dict``/``load_state_dict`` such as an LR scheduler.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optim is not None:
-        state["optim"] = get_optimizer_state_dict(model, optim)
-    if extra:
-        state["extra"] = {k: _state_of(v) for k, v in extra.items()}
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    With ``step``, ``checkpoint_id`` is a root folder and the checkpoint goes
+    to ``root/step-{step}``; ``keep=k`` then deletes all but the ``k`` newest
+    complete steps, and :func:`load_latest` finds the newest. Without it,
+    ``checkpoint_id`` is the checkpoint's own folder (an existing one is
+    replaced).
+
+    Every rank writes into a hidden sibling (``.step-N.partial``) that rank 0
+    renames once every rank's files are written: a job killed mid-save leaves
+    the earlier checkpoints as they were, and nothing that loads.
+
+    With ``async_save=True`` it returns once this rank's state is copied to
+    host memory (pinned on GPU), and a background thread writes and commits
+    it, on a gloo group of its own, while training goes on. It returns a
+    ``Future`` whose ``result()`` is the checkpoint's path, or raises the
+    save's error; call it before ``destroy_process_group``. At most one save
+    is in flight: the next save or load waits for it first.
+
+    Raises:
+        ValueError: ``step < 0``, ``keep < 1``, ``keep`` without ``step``, or
+            ranks passing different ``step``/``keep``/``async_save``.
+        RuntimeError: the folder cannot be written (unwritable, disk full,
+            ...): raised on every rank, naming the path; earlier checkpoints
+            are kept. Errors of an asynchronous write surface from the
+            future (or the next save).
+    """
+    _check_step_args(step, keep)
+    wait_pending()
+    final = step_dir(checkpoint_id, step) if step is not None else Path(checkpoint_id)
+    state = _state(model, optim, extra)
+    # On the default group: the ranks must agree on async_save before making its group.
+    agree(
+        f"save_checkpoint: cannot write into {final.parent}",
+        (step, keep, async_save, final.name),
+        lambda: prepare(final),
+        hint=_WRITE_HINT,
+    )
+    if not async_save:
+        _write(state, final, keep, None)
+        return None
+    group = background_group()
+    staged = stage(state)
+    return submit(lambda: _write(staged, final, keep, group))
+
+
+def load_latest(
+    root: str | os.PathLike,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    strict: bool = True,
+) -> int | None:
+    """Load the newest complete ``root/step-N`` written by ``save_checkpoint(root, step=N)``.
+
+    Collective. Returns ``N``, or ``None`` (loading nothing) when ``root``
+    holds no complete checkpoint. Leftovers of killed saves are never
+    considered. Otherwise as :func:`load_checkpoint`, at any world size.
+    """
+    wait_pending()
+    # Rank 0 lists the folder for everyone: one answer even if a filesystem
+    # shows the ranks different states for a moment.
+    steps = agree(f"load_latest: cannot list {root}", None, lambda: complete_steps(root))
+    if not steps:
+        return None
+    load_checkpoint(step_dir(root, steps[-1]), model, optim, extra=extra, strict=strict)
+    return steps[-1]
 
 
 def load_checkpoint(
@@ -76,9 +156,11 @@ def load_checkpoint(
     in the dict, objects with ``load_state_dict`` (a scheduler) load theirs.
 
     Raises:
-        ValueError: the checkpoint does not match the model or optimizer
-            (missing, unexpected or resized tensors, all named); nothing was
-            loaded. ``strict=False`` skips model keys missing on either side.
+        ValueError: the folder is not a complete checkpoint (no metadata:
+            a save that did not finish), or the checkpoint does not match the
+            model or optimizer (missing, unexpected or resized tensors, all
+            named); nothing was loaded. ``strict=False`` skips model keys
+            missing on either side.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -89,6 +171,8 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    wait_pending()
+    _check_complete(Path(checkpoint_id))
     saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     model_sd = get_model_state_dict(model)
     problems = _compare("model", model_sd, saved, strict)
@@ -125,6 +209,65 @@ def load_checkpoint(
             value.load_state_dict(state["extra"][key])
         else:
             extra[key] = state["extra"][key]
+
+
+def _check_step_args(step: int | None, keep: int | None) -> None:
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
+    if keep is not None:
+        if step is None:
+            raise ValueError("save_checkpoint: keep needs step (keep counts root/step-N folders)")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"save_checkpoint: keep must be an int >= 1 or None, got {keep!r}")
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer | None, extra: dict | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optim is not None:
+        state["optim"] = get_optimizer_state_dict(model, optim)
+    if extra:
+        state["extra"] = {k: _state_of(v) for k, v in extra.items()}
+    return state
+
+
+def _write(state: dict, final: Path, keep: int | None, group: Any) -> str:
+    """Every rank writes ``state`` into ``final``'s partial folder; rank 0 commits it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    partial = partial_dir(final)
+    try:
+        dcp.save(state, checkpoint_id=partial, process_group=group)
+    except CheckpointException as exc:  # DCP raises it on every rank, with every rank's error
+        # DCP's collectives still work (they carried the error): clean up in step.
+        agree("save_checkpoint: cleaning up", None, lambda: discard(final), group)
+        failures = "; ".join(
+            f"rank {rank}: {type(err).__name__}: {err}"
+            for rank, (err, _) in sorted(exc.failures.items())
+        )
+        raise RuntimeError(
+            f"save_checkpoint: writing {final} failed ({failures}){_WRITE_HINT}"
+        ) from exc
+    agree(f"save_checkpoint: cannot commit {final}", None, lambda: commit(final, keep), group,
+          _WRITE_HINT)
+    return str(final)
+
+
+def _check_complete(path: Path) -> None:
+    if (path / METADATA).is_file():
+        return
+    if not path.is_dir():
+        raise ValueError(f"load_checkpoint: {path} does not exist or is not a folder")
+    raise ValueError(
+        f"load_checkpoint: {path} is not a complete checkpoint: it has no {METADATA} (DCP "
+        "writes it last, so the save that wrote this folder did not finish). Load an "
+        "earlier one, or use load_latest(root), which picks the newest complete step."
+    )
 
 
 def _is_stateful(value: Any) -> bool:

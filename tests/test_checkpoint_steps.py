@@ -1,0 +1,371 @@
+"""Step checkpoints: atomic saves, keep-last-k, load_latest, async saves, resume after a kill.
+
+The models are sharded by the implementation under test, so
+``FSDP2_TEST_IMPL=torch`` runs every check on upstream's ``fully_shard`` too
+(the checkpoint helpers use only public DCP and state-dict APIs).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.distributed as dist
+from _impl import fully_shard
+from _multiproc import RankError, run_ranks
+from checks import ATOL, RTOL
+from models import (
+    build_transformer,
+    cpu_mesh,
+    full,
+    global_mean,
+    rank_slice,
+    shard_transformer,
+    transformer_batch,
+    transformer_loss,
+)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp2 import load_checkpoint, load_latest, save_checkpoint
+
+_BATCH = 8  # divides over 1, 2 and 4 ranks
+
+
+def _build(mesh, seed=31):
+    model = build_transformer(seed=seed)
+    shard_transformer(model, fully_shard, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, optim, first, last, rank, world_size, mean=False):
+    """Steps first+1 .. last, each on its own batch; this rank's losses (or the global mean)."""
+    losses = []
+    for step in range(first + 1, last + 1):
+        loss = transformer_loss(model, rank_slice(transformer_batch(step, _BATCH), rank, world_size))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append((global_mean(loss) if mean else loss).item())
+    return losses
+
+
+def _snapshot(model):
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _assert_params_equal(model, expected):
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), expected[name], rtol=0, atol=0, msg=name)
+
+
+def _barrier_then(rank, fn):
+    """Rank 0 runs ``fn`` (a filesystem change) between two barriers."""
+    dist.barrier()
+    if rank == 0:
+        fn()
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- keep-last-k, latest, async
+
+
+def _gate_writes():
+    """Hold every FileSystemWriter write until the returned event is set (at most 60 s)."""
+    gate, original = threading.Event(), FileSystemWriter.write_data
+
+    def gated(self, *args, **kwargs):
+        assert gate.wait(60), "the gate was never opened"
+        return original(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = gated
+    return gate
+
+
+def _keep_body(rank, world_size, root):
+    model, optim = _build(cpu_mesh())
+    assert load_latest(root, model, optim) is None  # no root yet: nothing to load
+    snapshots, previous = {}, None
+    for step in range(1, 6):
+        _train(model, optim, step - 1, step, rank, world_size)
+        snapshots[step] = _snapshot(model)
+        gate = _gate_writes() if step == 5 else None
+        pending = save_checkpoint(root, model, optim, step=step, keep=2, extra={"note": step},
+                                  async_save=step % 2 == 1)
+        assert isinstance(pending, Future) if step % 2 else pending is None
+        if previous is not None:  # one save in flight at most: this call waited for it
+            assert previous.done() and previous.result() == os.path.join(root, f"step-{step - 1}")
+        previous = pending
+    # the call returned before step 5 was written; training changes the parameters, then
+    # the write goes on: it must write the copy taken at the call
+    assert not pending.done()
+    _train(model, optim, 5, 6, rank, world_size)
+    gate.set()
+    assert pending.result() == os.path.join(root, "step-5")
+    assert sorted(os.listdir(root)) == ["step-4", "step-5"], os.listdir(root)
+
+    fresh, fresh_optim = _build(cpu_mesh(), seed=32)
+    extra = {"note": 0}
+    assert load_latest(root, fresh, fresh_optim, extra=extra) == 5
+    assert extra["note"] == 5
+    _assert_params_equal(fresh, snapshots[5])  # what was there at the call, bit for bit
+
+    # a folder without DCP's metadata (a save that did not finish) never loads
+    _barrier_then(rank, lambda: os.remove(os.path.join(root, "step-5", ".metadata")))
+    with pytest.raises(ValueError, match=r"step-5 is not a complete checkpoint: it has no "
+                                         r"\.metadata .* load_latest\(root\)"):
+        load_checkpoint(os.path.join(root, "step-5"), fresh, fresh_optim)
+    assert load_latest(root, fresh, fresh_optim, extra=extra) == 4
+    assert extra["note"] == 4
+    _assert_params_equal(fresh, snapshots[4])
+
+
+def test_keep_last_k_load_latest_and_async_saves(tmp_path):
+    """keep=2 leaves the 2 newest steps; load_latest loads the newest complete one, as it was at the call."""
+    run_ranks(_keep_body, 2, str(tmp_path / "ckpt"))
+
+
+def test_save_checkpoint_rejects_bad_step_and_keep(tmp_path):
+    """A negative step, keep < 1 or keep without step: ValueError before anything is written."""
+    model = build_transformer(seed=1)
+    for kwargs, pattern in [
+        ({"step": -1}, "step must be an int >= 0, got -1"),
+        ({"step": 3, "keep": 0}, "keep must be an int >= 1 or None, got 0"),
+        ({"keep": 2}, r"keep needs step"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            save_checkpoint(tmp_path / "ckpt", model, **kwargs)
+    assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------- killed mid-save, resumed
+
+
+def _kill_self_after(cls, method):
+    """Make ``cls.method`` do its work, then SIGKILL this process (a known point in the save)."""
+    original = getattr(cls, method)
+
+    def killed(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if isinstance(result, Future):
+            result.result()  # the files are written
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(cls, method, killed)
+
+
+# where the save dies: (rank, FileSystemWriter method, async_save)
+_KILL_POINTS = {
+    "rank1_in_async_write": (1, "write_data", True),  # its data file written, no metadata
+    "rank0_before_rename": (0, "finish", False),  # every file and the metadata written
+}
+
+
+def _uninterrupted_body(rank, world_size):
+    model, optim = _build(cpu_mesh())
+    return _train(model, optim, 0, 6, rank, world_size)
+
+
+def _killed_body(rank, world_size, root, point):
+    victim, method, async_save = _KILL_POINTS[point]
+    model, optim = _build(cpu_mesh())
+    _train(model, optim, 0, 2, rank, world_size)
+    save_checkpoint(root, model, optim, step=2)
+    _train(model, optim, 2, 4, rank, world_size)
+    if rank == victim:
+        _kill_self_after(FileSystemWriter, method)
+    pending = save_checkpoint(root, model, optim, step=4, async_save=async_save)
+    _train(model, optim, 4, 5, rank, world_size)
+    if pending is not None:
+        pending.result()
+
+
+def _resume_body(rank, world_size, root):
+    model, optim = _build(cpu_mesh(), seed=33)
+    assert load_latest(root, model, optim) == 2  # the killed step 4 is not a checkpoint
+    losses = _train(model, optim, 2, 4, rank, world_size)
+    save_checkpoint(root, model, optim, step=4, keep=2)  # over the killed save's leftovers
+    assert sorted(os.listdir(root)) == ["step-2", "step-4"], os.listdir(root)
+    return losses + _train(model, optim, 4, 6, rank, world_size)
+
+
+_uninterrupted: list = []
+
+
+@pytest.mark.parametrize("point", sorted(_KILL_POINTS))
+def test_a_rank_killed_mid_save_resumes_from_the_previous_step(tmp_path, point):
+    """SIGKILL of one rank inside a save: load_latest resumes from the step before; losses equal an unbroken run's bit for bit."""
+    root = str(tmp_path / "ckpt")
+    with pytest.raises(RankError, match=f"rank {_KILL_POINTS[point][0]} exited with code -9"):
+        run_ranks(_killed_body, 2, root, point, timeout=60)
+    leftover = os.path.join(root, ".step-4.partial")
+    assert sorted(os.listdir(root)) == [".step-4.partial", "step-2"], os.listdir(root)
+    assert os.path.isfile(os.path.join(leftover, ".metadata")) == (point == "rank0_before_rename")
+    if not _uninterrupted:
+        _uninterrupted.extend(run_ranks(_uninterrupted_body, 2))
+    resumed = run_ranks(_resume_body, 2, root)
+    for rank, losses in enumerate(resumed):
+        assert losses == _uninterrupted[rank][2:], (rank, losses, _uninterrupted[rank])
+
+
+# ---------------------------------------------------------------- another world size, HSDP
+
+
+def _hsdp_save_body(rank, world_size, root):
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    model, optim = _build(mesh)
+    _train(model, optim, 0, 2, rank, world_size)
+    saved = _snapshot(model)
+    pending = save_checkpoint(root, model, optim, step=2, keep=1, async_save=True)
+    losses = _train(model, optim, 2, 4, rank, world_size, mean=True)
+    pending.result()
+    return saved, losses
+
+
+def _fsdp_resume_body(rank, world_size, root, saved, uninterrupted):
+    model, optim = _build(cpu_mesh(), seed=34)
+    assert load_latest(root, model, optim) == 2
+    _assert_params_equal(model, saved)
+    losses = _train(model, optim, 2, 4, rank, world_size, mean=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_async_hsdp_save_at_4_ranks_resumes_at_2(tmp_path):
+    """An async save of HSDP (2 x 2) at W=4, load_latest at W=2 (FSDP): same parameters, same next losses."""
+    root = str(tmp_path / "ckpt")
+    saved, losses = run_ranks(_hsdp_save_body, 4, root)[0]
+    run_ranks(_fsdp_resume_body, 2, root, saved, losses)
+
+
+# ---------------------------------------------------------------- disk full, unwritable, mismatch
+
+
+def _errors_body(rank, world_size, root, blocked):
+    model, optim = _build(cpu_mesh())
+    _train(model, optim, 0, 1, rank, world_size)
+    save_checkpoint(root, model, optim, step=1)
+    kept = _snapshot(model)
+    _train(model, optim, 1, 2, rank, world_size)
+    messages = []
+
+    original = FileSystemWriter.write_data
+
+    def disk_full(self, *args, **kwargs):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return original(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = disk_full
+    try:
+        for async_save in (False, True):
+            with pytest.raises(RuntimeError) as info:
+                pending = save_checkpoint(root, model, optim, step=2, keep=1,
+                                          async_save=async_save)
+                if pending is not None:
+                    pending.result()
+            messages.append(str(info.value))
+    finally:
+        FileSystemWriter.write_data = original
+    assert sorted(os.listdir(root)) == ["step-1"], os.listdir(root)  # no leftover either
+
+    with pytest.raises(RuntimeError) as info:  # a file where a folder should be
+        save_checkpoint(os.path.join(blocked, "ckpt"), model, optim, step=2)
+    messages.append(str(info.value))
+    for kwargs in ({"step": 2 + rank}, {"step": 2, "async_save": rank == 0}):
+        with pytest.raises(ValueError) as info:
+            save_checkpoint(root, model, optim, **kwargs)
+        messages.append(str(info.value))
+
+    fresh, fresh_optim = _build(cpu_mesh(), seed=35)
+    assert load_latest(root, fresh, fresh_optim) == 1
+    _assert_params_equal(fresh, kept)
+    return messages
+
+
+def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_step(tmp_path):
+    """Disk full on one rank (sync, async), an unwritable root, mismatched arguments: one error everywhere, step 1 kept."""
+    root, blocked = str(tmp_path / "ckpt"), tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    messages = run_ranks(_errors_body, 2, root, str(blocked))
+    assert messages[0] == messages[1]  # the same error on every rank
+    full_sync, full_async, unwritable, steps, modes = messages[0]
+    step2 = os.path.join(root, "step-2")
+    for message in (full_sync, full_async):
+        assert f"writing {step2} failed" in message, message
+        assert "rank 1: OSError: [Errno 28] No space left on device" in message, message
+        assert "earlier checkpoints are as they were" in message, message
+    assert f"cannot write into {blocked}" in unwritable and "NotADirectoryError" in unwritable
+    assert "writable" in unwritable, unwritable
+    assert "rank 0: (2, None, False, 'step-2'), rank 1: (3, None, False, 'step-3')" in steps
+    assert "rank 0: (2, None, True, 'step-2'), rank 1: (2, None, False, 'step-2')" in modes
+
+
+# ---------------------------------------------------------------- the README's example
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _readme_blocks():
+    """The Python blocks of the README's Checkpoints section, in order."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("\n## Checkpoints\n"):]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+
+
+def _readme_body(rank, world_size, workdir, num_steps):
+    os.chdir(workdir)  # the second block saves to a relative path
+    model, optim = _build(cpu_mesh())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 / (1 + i))
+    losses = []
+
+    def train_step(step):
+        losses.extend(_train(model, optim, step - 1, step, rank, world_size))
+        sched.step()
+
+    first, second = _readme_blocks()[:2]
+    env = {"model": model, "optim": optim, "sched": sched, "train_step": train_step,
+           "ckpt_dir": "steps", "num_steps": num_steps, "save_every": 1}
+    exec(first, env)
+    exec(second, env)  # the page goes on: same names
+    return losses, sched.last_epoch
+
+
+def test_readme_checkpoint_example_runs_and_resumes(tmp_path):
+    """The README's calls: 4 steps, then a restart to 6 resumes at 4 with an unbroken run's losses; 3 newest kept."""
+    workdir = str(tmp_path)
+    first = run_ranks(_readme_body, 2, workdir, 4)
+    second = run_ranks(_readme_body, 2, workdir, 6)
+    (tmp_path / "unbroken").mkdir()
+    unbroken = run_ranks(_readme_body, 2, str(tmp_path / "unbroken"), 6)
+    for rank in range(2):
+        assert first[rank][0] + second[rank][0] == unbroken[rank][0], rank
+        assert second[rank][1] == 6  # the scheduler came back at step 4 and went on
+    assert sorted(os.listdir(tmp_path / "steps")) == ["step-4", "step-5", "step-6"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["best"]
+
+
+def test_one_process_without_a_process_group(tmp_path):
+    """No init_process_group: sync and async saves, keep and load_latest work on a plain module."""
+    model = build_transformer(seed=36)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    save_checkpoint(tmp_path, model, optim, step=1, keep=1)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pending = save_checkpoint(tmp_path, model, optim, step=2, keep=1, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # after the call: not in the checkpoint
+    assert pending.result() == str(tmp_path / "step-2")
+    assert sorted(os.listdir(tmp_path)) == ["step-2"]
+    fresh = build_transformer(seed=37)
+    assert load_latest(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
