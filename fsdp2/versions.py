@@ -63,6 +63,13 @@ PIPELINING_USES_PUBLIC_FSDP_API: bool = TORCH_RELEASE >= (2, 15)
 
 #: Public FSDP2 API fsdp2 offers on every torch, by the release whose upstream added it.
 ADDED_IN: dict[str, tuple[int, int]] = {
+    "DataParallelMeshDims": (2, 12),
+    "fully_shard.dp_mesh_dims": (2, 12),
+    "FSDPModule.set_symm_mem_for_comm": (2, 12),
+    "FSDPModule.reset_iter_state": (2, 13),
+    "FSDPModule.set_reduce_scatter_max_input_buffers": (2, 13),
+    "FSDPModule.set_reduce_scatter_unused_params": (2, 13),
+    "FSDPModule.set_separate_reduce_scatter_group": (2, 13),
     "GradientReductionHandle": (2, 15),
     "FSDPModule.set_manual_backward_finalization": (2, 15),
     "FSDPModule.finalize_backward": (2, 15),
