@@ -8,13 +8,8 @@ from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, O
 from .checkpoint import load_checkpoint, load_latest, save_checkpoint
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
-from .module import (
-    FSDPModule,
-    GradientReductionHandle,
-    UnshardHandle,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from .handles import GradientReductionHandle, UnshardHandle
+from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict

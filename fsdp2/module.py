@@ -1,4 +1,4 @@
-"""FSDPModule (the control surface of every sharded module), UnshardHandle, forward methods.
+"""FSDPModule (the control surface of every sharded module), forward methods, shared contexts.
 
 ``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule,
 original class)``, so every method here is available on the module itself.
@@ -20,60 +20,12 @@ import torch.nn as nn
 
 from .comm_memory import use_process_group_memory, use_symm_mem
 from .errors import FSDPAssertionError
+from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handle, reduction_handle
 from .param_group import FSDPParamGroup
 from .staged_collectives import AllGather, ReduceScatter, check_comm
 from .state import FSDPState, state_of
 
-__all__ = [
-    "FSDPModule",
-    "GradientReductionHandle",
-    "UnshardHandle",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-]
-
-
-class UnshardHandle:
-    """A handle on an :meth:`FSDPModule.unshard` all-gather started with ``async_op=True``."""
-
-    def wait(self) -> None:
-        """Wait for the all-gather; afterwards the unsharded parameters are registered.
-
-        Optional before the module's forward, which waits by itself.
-        """
-
-
-class _GroupUnshardHandle(UnshardHandle):
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None  # do not keep the group alive
-
-
-class GradientReductionHandle:
-    """A handle on the gradient reduction :meth:`FSDPModule.finalize_backward` started with ``async_op=True``."""
-
-    def wait(self) -> None:
-        """Wait for the gradient reduction and end the backward iteration.
-
-        Call it before reading the gradients, stepping the optimizer, or
-        running the module again. Raises ``RuntimeError`` if
-        :meth:`FSDPModule.reset_iter_state` ran since the handle was returned.
-        """
-
-
-class _RootReductionHandle(GradientReductionHandle):
-    def __init__(self, state: FSDPState | None, token: object | None) -> None:
-        self._state, self._token = state, token
-
-    def wait(self) -> None:
-        if self._state is not None:
-            state, self._state = self._state, None
-            token, self._token = self._token, None
-            state.wait_for_reduction(token)
+__all__ = ["FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class FSDPModule:
@@ -134,7 +86,7 @@ class FSDPModule:
                 group.check_materialized()
                 group.check_dtypes()
             group.unshard(async_op=async_op)
-        handle = _GroupUnshardHandle(group)
+        handle = group_unshard_handle(group)
         if async_op:
             return handle
         handle.wait()
@@ -190,7 +142,7 @@ class FSDPModule:
         token = state.finalize_backward(wait=not async_op)
         if not async_op:
             return None
-        return _RootReductionHandle(state if token is not None else None, token)
+        return reduction_handle(state if token is not None else None, token)
 
     def finish_backward(self) -> None:
         """:meth:`finalize_backward` (synchronous) without requiring manual finalization mode.

@@ -618,7 +618,7 @@ class FSDPParam:
     def set_grad_dtype(self, dtype: torch.dtype, defer: bool, reduce_grads: bool) -> None:
         """torch >= 2.15: the dtype autograd accumulates the unsharded gradient in.
 
-        See [Note: Gradient accumulation dtype] in param_group.py. ``defer``
+        See [Note: Gradient accumulation dtype] in reduction.py. ``defer``
         (pre-backward): a gradient that is about to be reduced, or that already
         accumulates in ``dtype``, takes autograd's output as it comes; otherwise
         (and after each post-backward) the gradient is kept in ``dtype`` and

@@ -566,38 +566,6 @@ class FSDPParamGroup(GradientReduction):
         self._uses_without_node.clear()
         return ran
 
-    def _hold_unsharded_grads(self) -> None:
-        """Keep the unsharded gradients for the next backward to add to.
-
-        See [Note: Gradient accumulation without sync]. They stay in the
-        parameter dtype on the unsharded parameters' ``.grad``, unless a
-        different reduce dtype is set: then they are kept in it (see
-        [Note: Gradient accumulation dtype]).
-        """
-        reduce_dtype = self.reduce_dtype
-        if reduce_dtype is None or reduce_dtype == (self.param_dtype or self.orig_dtype):
-            return
-        if ACCUMULATE_IN_GRAD_DTYPE:
-            self._set_grad_dtypes(defer=False)
-            return
-        for p in self.fsdp_params:
-            p.hold_grad_in(reduce_dtype)
-
-    def _set_grad_dtypes(self, defer: bool) -> None:
-        """[Note: Gradient accumulation dtype]
-        From torch 2.15 upstream makes autograd accumulate an unsharded gradient
-        in the reduce dtype (``Tensor.grad_dtype``) when it is wider than the
-        compute dtype: a gradient held across backwards (no sync) is upcast
-        once and every later contribution is added to it in that dtype, in
-        autograd's order. Before 2.15 gradients accumulate in the compute dtype
-        within a backward and are moved aside into the reduce dtype after it.
-        fsdp2 follows the installed torch, so sums round as upstream's do.
-        """
-        if not ACCUMULATE_IN_GRAD_DTYPE or self.reduce_dtype is None:
-            return
-        for p in self.fsdp_params:
-            p.set_grad_dtype(self.reduce_dtype, defer, self.reduce_grads)
-
     def finish_backward_pass(self, defer_reduction: bool = False) -> None:
         """Autograd finished a backward: run the post-backward it did not reach.
 

@@ -6,6 +6,17 @@ settings) is set up by the group; see [Note: CPU offload] and
 [Note: Gradient accumulation without sync] in param_group.py and
 [Note: Gradient divide factors] in reduce_op.py.
 
+[Note: Gradient accumulation dtype]
+From torch 2.15 upstream makes autograd accumulate an unsharded gradient in
+the reduce dtype (``Tensor.grad_dtype``) when that is wider than the compute
+dtype: a gradient held across backwards (no sync, chunked losses) is upcast
+once and every later contribution is added to it in that dtype, in autograd's
+order; a gradient about to be reduced takes autograd's output as it comes
+(the reduce-scatter copy-in upcasts it). Before 2.15 gradients accumulate in
+the compute dtype within a backward and are moved aside into the reduce dtype
+after it. fsdp2 follows the installed torch (``versions.ACCUMULATE_IN_GRAD_DTYPE``),
+so its sums round exactly as upstream's do.
+
 [Note: Gradients of parameters used on some ranks]
 Conditional computation (a mixture of experts routing to expert ``b`` on rank
 0 only, a multi-modal branch) leaves some trainable parameters of a group
@@ -74,10 +85,35 @@ from .comm_memory import effective
 from .errors import FSDPAssertionError
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
+from .versions import ACCUMULATE_IN_GRAD_DTYPE
 
 
 class GradientReduction:
     """Reduce a group's unsharded gradients onto its sharded parameters."""
+
+    def _hold_unsharded_grads(self) -> None:
+        """Keep the unsharded gradients for the next backward to add to.
+
+        See [Note: Gradient accumulation without sync]. They stay in the
+        parameter dtype on the unsharded parameters' ``.grad``, unless a
+        different reduce dtype is set: then they are kept in it (see
+        [Note: Gradient accumulation dtype]).
+        """
+        reduce_dtype = self.reduce_dtype
+        if reduce_dtype is None or reduce_dtype == (self.param_dtype or self.orig_dtype):
+            return
+        if ACCUMULATE_IN_GRAD_DTYPE:
+            self._set_grad_dtypes(defer=False)
+            return
+        for p in self.fsdp_params:
+            p.hold_grad_in(reduce_dtype)
+
+    def _set_grad_dtypes(self, defer: bool) -> None:
+        """Set each unsharded parameter's ``grad_dtype``; see [Note: Gradient accumulation dtype]."""
+        if not ACCUMULATE_IN_GRAD_DTYPE or self.reduce_dtype is None:
+            return
+        for p in self.fsdp_params:
+            p.set_grad_dtype(self.reduce_dtype, defer, self.reduce_grads)
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
         self._gradient_divide_factor = factor

@@ -53,7 +53,7 @@ REDUCE_IN_PARAM_DTYPE_BY_DEFAULT: bool = TORCH_RELEASE >= (2, 15)
 
 #: Unsharded gradients accumulate across backwards in the reduce dtype through
 #: ``Tensor.grad_dtype`` (torch >= 2.15); before, in the compute dtype within a
-#: backward. See [Note: Gradient accumulation dtype] in param_group.py.
+#: backward. See [Note: Gradient accumulation dtype] in reduction.py.
 ACCUMULATE_IN_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
 
 #: torch.distributed.pipelining drives FSDP stages only through FSDPModule's public
