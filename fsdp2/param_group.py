@@ -579,6 +579,7 @@ class FSDPParamGroup(GradientReduction):
                 self.post_backward_pending = True
             else:
                 self.post_backward()
+        self.wait_for_grad_offload()
         self.training_state = TrainingState.IDLE
 
     def finalize(self) -> None:

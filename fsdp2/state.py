@@ -21,6 +21,23 @@ final callback     (queued once per backward on the autograd engine) finish
                    groups whose inputs needed no grad, reset per-step state
                    (the forward order is kept while is_last_backward is off)
 
+[Note: Manual backward finalization]
+torch 2.15's ``set_manual_backward_finalization(True)`` (on the root, before
+forward) hands the end of the step to the caller, for schedules that reduce as
+a step of their own. The mode a backward starts in is fixed until the step
+ends (``manual_active``). In manual mode the final callback of each backward
+only finishes the backward pass: groups autograd did not reach run their
+post-backward if gradient sync is off (holding gradients, as always), and are
+otherwise marked ``post_backward_pending`` instead of reducing;
+``is_last_backward`` is ignored. ``finalize_backward()`` then runs the pending
+post-backwards (groups that held gradients without sync are pending too), in
+reverse lazy-init order as autograd would reach them, reshards the others as
+``reshard_after_backward`` says, and ends the step. With ``async_op=True`` it
+stops before ending the step and hands out a token; the handle's ``wait()``
+ends it, and ``reset_iter_state()`` drops the token, which invalidates the
+handle. fsdp2's older ``finish_backward()`` is the same finalization without
+requiring the mode (``fsdp2.pipelining`` drives it with ``set_is_last_backward``).
+
 [Note: Groups run in parts]
 A group of several modules (``fully_shard([norm, head])``) is in use from the
 pre-forward of the first of its modules to run until every one of them has
