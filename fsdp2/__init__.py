@@ -15,6 +15,7 @@ from .module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from .muon import Muon, MuonLoad
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
@@ -37,6 +38,8 @@ __all__ = [
     "FSDPAssertionError",
     "FSDPNotImplementedError",
     "IncompatibleKeys",
+    "Muon",
+    "MuonLoad",
     "TorchPatch",
     "clip_grad_norm_",
     "enable_local_shard_step",
