@@ -28,6 +28,7 @@ from _ranks import launch  # noqa: E402
 from bench_bytes import bytes_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
+from bench_muon import muon_body  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, model_source  # noqa: E402
@@ -45,6 +46,8 @@ FULL = {
     "hook_reps": 100,
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
+    "muon_shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
+    "muon_reps": 5,
     "timeout": 420,
 }
 QUICK = {
@@ -58,10 +61,13 @@ QUICK = {
     "hook_reps": 15,
     "materialize_shape": {**LLAMA_70B, "n_layers": 8},
     "materialize_reps": 1,
+    "muon_shape": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 352},
+    "muon_reps": 2,
     "timeout": 120,
 }
 WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
+MUON_WORLD_SIZE = 4
 MATERIALIZE_WORLD_SIZE = 1024
 
 
@@ -125,6 +131,13 @@ def main() -> None:
             )[0],
         ),
         ("pipeline", lambda: launch(pipeline_body, 4, cfg, timeout=cfg["timeout"])),
+        ("muon", lambda: launch(muon_body, MUON_WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+        (
+            "muon_fake",
+            lambda: launch(
+                muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
+            )[0],
+        ),
     ]
     only = os.environ.get("FSDP2_BENCH_ONLY")  # e.g. "pipeline": run one part while developing
     if only:

@@ -15,12 +15,14 @@ import copy
 import functools
 import inspect
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from _multiproc import run_ranks
 from checks import check_case, launch_cases
 from models import build_transformer, full, global_mean, rank_slice, transformer_batch
 from models import transformer_loss as loss_of
@@ -408,3 +410,17 @@ def test_adjust_lr_fn_validated():
     """An unknown adjust_lr_fn raises as torch.optim.Muon does."""
     with pytest.raises(ValueError, match="not supported"):
         fsdp2.Muon([torch.nn.Parameter(torch.randn(4, 4))], adjust_lr_fn="nope")
+
+
+def _example_body(rank, world_size):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import muon as example
+
+    args = example.parse_args(["--steps", "15", "--batch-size", "4", "--dim", "64"])
+    return example.train(args, torch.device("cpu"))
+
+
+def test_example_loss_falls():
+    """examples/muon.py trains the demo model with Muon + AdamW on 2 ranks and its loss falls."""
+    losses = run_ranks(_example_body, 2)[0]
+    assert min(losses[-5:]) < 0.75 * losses[0], losses
