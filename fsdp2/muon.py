@@ -195,7 +195,7 @@ class Muon(torch.optim.Optimizer):
                 whole[u.index] = [update.to(u.layout.comm_device or update.device)]
         for moved in by_group.values():
             whole.update(_to_owners(moved, updates))
-        ortho = self._newton_schulz(plan, units, whole, updates)
+        ortho = self._newton_schulz(units, whole, updates)
         rows: dict[int, torch.Tensor] = {
             u.index: ortho[u.index] for u in units if not u.layout.moves_rows
         }
@@ -205,7 +205,6 @@ class Muon(torch.optim.Optimizer):
 
     def _newton_schulz(
         self,
-        plan: Plan,
         units: list[Unit],
         whole: dict[int, list[torch.Tensor]],
         updates: dict[torch.Tensor, tuple[torch.Tensor, dict]],
