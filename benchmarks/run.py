@@ -29,6 +29,7 @@ from bench_bytes import bytes_body  # noqa: E402
 from bench_checkpoint import checkpoint_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
+from bench_muon import muon_body  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, model_source  # noqa: E402
@@ -47,6 +48,8 @@ FULL = {
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
     "ckpt_reps": 6,
+    "muon_shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
+    "muon_reps": 5,
     "timeout": 420,
 }
 QUICK = {
@@ -61,10 +64,13 @@ QUICK = {
     "materialize_shape": {**LLAMA_70B, "n_layers": 8},
     "materialize_reps": 1,
     "ckpt_reps": 2,
+    "muon_shape": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 352},
+    "muon_reps": 2,
     "timeout": 120,
 }
 WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
+MUON_WORLD_SIZE = 4
 MATERIALIZE_WORLD_SIZE = 1024
 
 
@@ -129,6 +135,13 @@ def main() -> None:
         ),
         ("pipeline", lambda: launch(pipeline_body, 4, cfg, timeout=cfg["timeout"])),
         ("checkpoint", lambda: launch(checkpoint_body, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+        ("muon", lambda: launch(muon_body, MUON_WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
+        (
+            "muon_fake",
+            lambda: launch(
+                muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
+            )[0],
+        ),
     ]
     only = os.environ.get("FSDP2_BENCH_ONLY")  # e.g. "pipeline": run one part while developing
     if only:

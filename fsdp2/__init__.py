@@ -10,6 +10,7 @@ from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fully_shard import fully_shard
 from .handles import GradientReductionHandle, UnshardHandle
 from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from .muon import Muon, MuonLoad
 from .optim import clip_grad_norm_, enable_local_shard_step
 from .patch import TorchPatch, patch_torch
 from .state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
@@ -32,6 +33,8 @@ __all__ = [
     "FSDPAssertionError",
     "FSDPNotImplementedError",
     "IncompatibleKeys",
+    "Muon",
+    "MuonLoad",
     "TorchPatch",
     "clip_grad_norm_",
     "enable_local_shard_step",
