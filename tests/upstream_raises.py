@@ -1,4 +1,8 @@
-"""Every ``raise`` in upstream's ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13).
+"""Every ``raise`` in upstream's ``torch/distributed/fsdp/_fully_shard/``, release by release.
+
+``UPSTREAM_RAISES`` is torch 2.13's list; ``CHANGES`` holds what each later
+tested release added and removed, and ``raises_for(release)`` the list of that
+release, so the test on a new torch names exactly the raises it added.
 
 Each entry names the file, the enclosing function, upstream's class, then either
 the row of ``test_upstream_errors.py`` that triggers it against both
@@ -16,6 +20,10 @@ list against upstream's source. Reasons:
   message first where it has the check.
 - ``ranks``: raised only on some ranks (upstream's others then wait in a
   collective), so no table row can run it on both implementations.
+- ``tested``: reached by the named test file against both implementations
+  (features newer than this table's rows).
+- ``unsupported``: upstream's check of a feature fsdp2 does not have (said in
+  the README's differences from upstream).
 """
 
 from __future__ import annotations
@@ -238,3 +246,75 @@ UPSTREAM_RAISES: list[Raise] = [
 EXTRA_ROWS = {
     "applied_twice": "torch/distributed/_composable/contract.py: AssertionError; fsdp2: " + _SV,
 }
+
+
+_MANUAL = "tested: tests/test_finalize_backward.py (manual / async backward finalization)"
+_CROSS_ROOT = (
+    "unsupported: fsdp2 does not track which root owns a reduction across roots "
+    "sharing a communication context"
+)
+
+#: release -> (raises it added, raises it removed), against the release before in this dict.
+CHANGES: dict[tuple[int, int], tuple[list[Raise], list[Raise]]] = {
+    (2, 15): (
+        [
+            Raise("_fsdp_api.py", "MixedPrecisionPolicy._resolve_for_param", "ValueError",
+                  "tested: tests/test_mixed_precision_policy.py (bad param_dtype_override_fn answers)"),
+            Raise("_fsdp_api.py", "MixedPrecisionPolicy._resolve_for_param", "ValueError",
+                  "tested: as above"),
+            Raise("_fsdp_collectives.py", "_default_reduce_scatter_input_fn", "AssertionError",
+                  "internal: Shard(k > 0) gradients always divide evenly (moved from foreach_reduce)",
+                  "-"),
+            *[Raise("_fsdp_param.py", "FSDPParam._resolve_spmd_types_for_storage", "ValueError",
+                    "private: spmd_types annotations (torch.distributed's experimental SPMD "
+                    "types), which fsdp2 does not read", "-")] * 7,
+            *[Raise("_fsdp_param.py", "FSDPParam._init_extensions", "AssertionError",
+                    "unsupported: the extension hook fsdp_should_release_all_gather_outputs_"
+                    "after_post_all_gather", "-")] * 2,
+            Raise("_fsdp_param.py", "FSDPParam._init_extensions", "NotImplementedError",
+                  "unsupported: as above", "-"),
+            *[Raise("_fsdp_param.py", "FSDPParam._get_grad_inner_tensor", "AssertionError",
+                    "internal: DTensor and SPMD-type gradient invariants", "-")] * 2,
+            Raise("_fsdp_param_group.py", "FSDPParamGroup._validate_unused_param_grad_dtypes",
+                  "ValueError", "unsupported: explicit Tensor.grad_dtype on parameters", "-"),
+            Raise("_fsdp_param_group.py", "FSDPParamGroup._set_separate_reduce_scatter_group",
+                  "AssertionError", "internal: mesh info type", "-"),
+            Raise("_fsdp_state.py", "FSDPState._lazy_init", "RuntimeError", _MANUAL, _S),
+            Raise("_fsdp_state.py", "FSDPState._pre_forward", "RuntimeError", _MANUAL, _S),
+            Raise("_fsdp_state.py", "FSDPState._root_post_backward_final_callback",
+                  "AssertionError", "internal: the mode is set when backward starts", "-"),
+            *[Raise("_fsdp_state.py", "FSDPState._validate_finalize_backward", "RuntimeError",
+                    _MANUAL, _S)] * 7,
+            Raise("_fsdp_state.py", "FSDPState.wait_for_gradient_reduction", "RuntimeError",
+                  _MANUAL, _S),
+            Raise("_fsdp_state.py", "FSDPState._reset_iter_state", "RuntimeError", _CROSS_ROOT, "-"),
+            *[Raise("_fully_shard.py", "FSDPModule.set_manual_backward_finalization",
+                    "RuntimeError", _MANUAL, _S)] * 3,
+            *[Raise("_fully_shard.py", "FSDPModule.finalize_backward", "RuntimeError",
+                    _MANUAL, _S)] * 2,
+            Raise("_fully_shard.py", "FSDPModule.finalize_backward", "RuntimeError",
+                  _CROSS_ROOT, "-"),
+        ],
+        [
+            Raise("_fsdp_collectives.py", "foreach_reduce", "AssertionError", ""),
+            Raise("_fsdp_param.py", "FSDPParam._get_unsharded_dtensor_spec", "AssertionError", ""),
+            Raise("_fsdp_param.py", "FSDPParam.unsharded_accumulated_grad_data",
+                  "AssertionError", ""),
+        ],
+    ),
+}
+
+
+def raises_for(release: tuple[int, int]) -> list[Raise] | None:
+    """Upstream's raises in ``release`` (``None`` for a release this file does not describe)."""
+    if release[:2] == (2, 13):
+        return list(UPSTREAM_RAISES)
+    if release not in CHANGES:
+        return None
+    raises = raises_for(max(r for r in [(2, 13), *CHANGES] if r < release))
+    added, removed = CHANGES[release]
+    for gone in removed:
+        site = (gone.file, gone.function, gone.cls)
+        index = next(i for i, r in enumerate(raises) if (r.file, r.function, r.cls) == site)
+        del raises[index]
+    return raises + added
