@@ -89,7 +89,7 @@ def test_every_fsdp_module_method_matches_torch():
     }
     assert not mismatched, "".join(f"\n{n}:{d}" for n, d in mismatched.items())
     # fsdp2's own public methods are nn.Module's, overridden with its signature, or
-    # documented additions (README, "Controlling a sharded module")
+    # documented additions (docs/api.md, "Controlling a sharded module")
     newer = {name.removeprefix("FSDPModule.") for name in NEWER}
     extra = set(_public_methods(fsdp2.FSDPModule)) - set(theirs) - FSDP2_ONLY_METHODS - newer
     for name in extra:

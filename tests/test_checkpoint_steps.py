@@ -307,17 +307,18 @@ def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_s
     assert "rank 0: (2, None, True, 'step-2'), rank 1: (2, None, False, 'step-2')" in modes
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the guide's example
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "docs", "checkpoints.md")
 
 
 def _readme_blocks():
-    """The Python blocks of the README's Checkpoints section, in order."""
-    with open(README, encoding="utf-8") as f:
+    """The Python blocks of docs/checkpoints.md's first section, in order."""
+    with open(GUIDE, encoding="utf-8") as f:
         text = f.read()
-    section = text[text.index("\n## Checkpoints\n"):]
-    section = section[: section.index("\n## ", 1)]
+    section = text[text.index("\n## Sharded checkpoints, to resume training\n"):]
+    section = section[: section.index("\n### ", 1)]
     return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
 
 
@@ -340,7 +341,7 @@ def _readme_body(rank, world_size, workdir, num_steps):
 
 
 def test_readme_checkpoint_example_runs_and_resumes(tmp_path):
-    """The README's calls: 4 steps, then a restart to 6 resumes at 4 with an unbroken run's losses; 3 newest kept."""
+    """docs/checkpoints.md's calls: 4 steps, then a restart to 6 resumes at 4 with an unbroken run's losses; 3 newest kept."""
     workdir = str(tmp_path)
     first = run_ranks(_readme_body, 2, workdir, 4)
     second = run_ranks(_readme_body, 2, workdir, 6)

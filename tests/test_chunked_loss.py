@@ -156,7 +156,7 @@ class Case(NamedTuple):
         """Whether fsdp2 issues upstream's collectives (the numerics match either way).
 
         Under ``no_grad`` fsdp2 reshards after forward even with
-        ``reshard_after_forward=False`` (README, Differences from upstream), so
+        ``reshard_after_forward=False`` (docs/differences.md), so
         after a validation pass it all-gathers where upstream kept the
         parameters unsharded.
         """

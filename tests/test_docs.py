@@ -116,7 +116,7 @@ def test_link_checker_catches_broken_links():
     """The checker reports a missing file, a missing heading and a link out of the tree, nothing else."""
     markdown = (
         "[ok](README.md) [gone](docs/nope.md) [bad](README.md#no-such-heading) "
-        "[head](README.md#composing-with-the-rest-of-the-stack) [pic](benchmarks/results.png) "
+        "[head](README.md#two-commands) [pic](benchmarks/results.png) "
         f"[out]({OUTSIDE_NOTES}/X.md) `[code](ignored.md)` [web](https://example.com)\n"
         "```\n[fenced](ignored.md)\n```\n"
     )

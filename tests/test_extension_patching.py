@@ -229,7 +229,7 @@ def _replaced_after_lazy_init(rank, world_size):
 
 HOWS = ("after_fully_shard", "fsdp_to_empty", "module_to_empty")
 CASES_2 = {how: _patched_case(how, hsdp=False) for how in HOWS}
-if IMPL == "fsdp2":  # upstream fails in this flow (see the README's Differences)
+if IMPL == "fsdp2":  # upstream fails in this flow (see docs/differences.md)
     CASES_2["replaced_after_lazy_init"] = _replaced_after_lazy_init
 CASES_4 = {
     **{how: _patched_case(how, hsdp=False) for how in HOWS},

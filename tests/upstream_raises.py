@@ -23,7 +23,7 @@ list against upstream's source. Reasons:
 - ``tested``: reached by the named test file against both implementations
   (features newer than this table's rows).
 - ``unsupported``: upstream's check of a feature fsdp2 does not have (said in
-  the README's differences from upstream).
+  docs/differences.md).
 """
 
 from __future__ import annotations
