@@ -154,8 +154,9 @@ def check_same_model(
     re-raised here after the exchange. See [Note: Divergence check at lazy init].
     """
     # Fake tensors hold no data to compare; a fake PG is one process playing every rank.
-    ranks = () if fake_tensors_active() else _participants(groups)
-    if len(ranks) <= 1 or not dist.is_initialized() or dist.get_backend() == "fake":
+    skip = fake_tensors_active() or not dist.is_initialized() or dist.get_backend() == "fake"
+    ranks = () if skip else _participants(groups)
+    if len(ranks) <= 1:
         if local_error is not None:
             raise local_error
         return
