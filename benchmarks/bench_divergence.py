@@ -38,7 +38,7 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # before any looku
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import datetime  # noqa: E402
-import resource  # noqa: E402
+import pickle  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -120,92 +120,126 @@ class _Counting:
         return counted
 
 
-def _one_check(clients: list, prefix: str, bad_rank: int | None) -> dict:
-    """Every simulated rank runs ``exchange`` at once; timings and request counts."""
+def _describe(ref: str, bad: str, bad_ranks: list[int]) -> str:
+    return f"ranks {bad_ranks} differ: {len(ref)} vs {len(bad)} characters"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The timed rounds; the first only releases and collects the ranks (the benchmark's own
+# requests, a baseline), the second warms the threads' stacks and connections.
+ROUNDS = ("release only", "warm-up", "all agree", "last rank differs")
+_RANKS_PER_PROCESS = 256  # thousands of threads in one process slow it down superlinearly
+
+
+def _rank_thread(port: int, r: int, world: int, out: dict) -> None:
+    """Simulated rank ``r``: its own client; each round waits for the go, then runs the check."""
     import torch.distributed as dist
 
     from fsdp2.divergence import exchange
 
-    world = len(clients)
-    ranks = list(range(world))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=datetime.timedelta(seconds=300))
+    client.add("bench/ready", 1)
     summary = "x" * SUMMARY_BYTES
-    stores = [_Counting(dist.PrefixStore(prefix, c)) for c in clients]
-    go = threading.Event()
-    finished = [0.0] * world
-    verdicts: list[Any] = [None] * world
-
-    def rank(r: int) -> None:
-        go.wait()
+    for i, name in enumerate(ROUNDS):
+        client.get(f"bench/go/{i}")
+        store = _Counting(dist.PrefixStore(f"fsdp2/divergence/bench/{i}", client))
+        bad = world - 1 if name == "last rank differs" else None
         try:
-            verdicts[r] = exchange(stores[r], r, ranks, "bad" if r == bad_rank else "hash",
-                                   lambda: summary, None, "benchmark")
-        except BaseException as e:  # noqa: BLE001 - reported below
-            verdicts[r] = e
-        finished[r] = time.perf_counter()
+            if name != "release only":
+                verdict = exchange(store, r, range(world), "bad" if r == bad else "hash",
+                                   lambda: summary, _describe, None, "benchmark")
+                assert verdict.bad == ([] if bad is None else [bad]), verdict
+            outcome: Any = dict(store.calls)
+        except BaseException as e:  # noqa: BLE001 - reported by the driver
+            outcome = repr(e)
+        out[(r, i)] = (time.perf_counter(), outcome)
+        if client.add(f"bench/finished/{i}", 1) == world:
+            client.set(f"bench/end/{i}", "")
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
+
+def _worker(port: int, lo: int, hi: int, world: int, fd: int) -> None:
+    """A forked process playing ranks ``lo..hi-1``; sends their results through ``fd``."""
+    threading.stack_size(256 * 1024)
+    out: dict = {}
+    threads = [threading.Thread(target=_rank_thread, args=(port, r, world, out), daemon=True)
+               for r in range(lo, hi)]
     for t in threads:
         t.start()
-    start = time.perf_counter()
-    go.set()
     for t in threads:
         t.join()
-    errors = [v for v in verdicts if isinstance(v, BaseException)]
-    if errors:
-        raise RuntimeError(f"{len(errors)} simulated ranks failed, e.g. {errors[0]!r}")
-    expected = [] if bad_rank is None else [bad_rank]
-    assert all(v.bad == expected for v in verdicts), "ranks disagree on the verdict"
-    per_rank = [sum(s.calls.values()) for s in stores]
-    common = collections.Counter(per_rank).most_common(1)[0][0]
-    kinds: collections.Counter[str] = collections.Counter()
-    for s in stores:
-        kinds.update(s.calls)
-    return {
-        "seconds": max(finished) - start,
-        "requests_per_rank": common,  # all but the few ranks with a role
-        "requests_max": max(per_rank),
-        "requests_total": sum(per_rank),
-        "by_method": dict(kinds),
-    }
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(out, f)
 
 
 def store_body(rank: int, world_size: int, sim_world: int) -> dict:
-    """One TCPStore server, ``sim_world`` client threads: a passing and a failing check."""
+    """One TCPStore server, ``sim_world`` simulated ranks in forked processes, ``ROUNDS``."""
     import torch.distributed as dist
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < sim_world + 256 <= hard:  # one socket per simulated rank
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert server.stdin is not None and server.stdout is not None
     port = int(server.stdout.readline())
+    driver = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=datetime.timedelta(seconds=300))
     t0 = time.perf_counter()
-    clients: list[Any] = [None] * sim_world
-
-    def connect(lo: int, hi: int) -> None:
-        for r in range(lo, hi):
-            clients[r] = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                       timeout=datetime.timedelta(seconds=120))
-
-    workers = 16  # overlap the connects' occasional resolver stalls
-    threading.stack_size(256 * 1024)  # thousands of mostly blocked threads
-    pool = [threading.Thread(target=connect, args=(i * sim_world // workers,
-                                                   (i + 1) * sim_world // workers))
-            for i in range(workers)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    workers = []
+    for lo in range(0, sim_world, _RANKS_PER_PROCESS):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: never returns into the caller's code
+            code = 1
+            try:
+                os.close(read)
+                _worker(port, lo, min(lo + _RANKS_PER_PROCESS, sim_world), sim_world, write)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        workers.append((pid, os.fdopen(read, "rb")))
+    while driver.add("bench/ready", 0) < sim_world:
+        time.sleep(0.2)
     connect_s = time.perf_counter() - t0
-    agree = _one_check(clients, "fsdp2/divergence/bench/0", None)
-    differ = _one_check(clients, "fsdp2/divergence/bench/1", sim_world - 1)
+    rounds = []
+    for i in range(len(ROUNDS)):
+        cpu = _cpu_seconds(server.pid)
+        start = time.perf_counter()
+        driver.set(f"bench/go/{i}", "")
+        driver.get(f"bench/end/{i}")
+        rounds.append((start, _cpu_seconds(server.pid) - cpu))
+    out: dict = {}
+    for pid, f in workers:
+        out.update(pickle.load(f))
+        os.waitpid(pid, 0)
     server.stdin.write("done\n")
     server.stdin.flush()
-    keys_left = int(server.stdout.readline())
+    keys_left = int(server.stdout.readline()) - 1 - 3 * len(ROUNDS)  # less the bench's own
     server.wait(10)
-    return {"sim_world": sim_world, "connect_seconds": connect_s, "agree": agree,
-            "differ": differ, "keys_left": keys_left}
+    result = {"sim_world": sim_world, "connect_seconds": connect_s, "keys_left": keys_left}
+    for i, (name, (start, cpu)) in enumerate(zip(ROUNDS, rounds)):
+        outcomes = [out[(r, i)] for r in range(sim_world)]
+        errors = [o for _, o in outcomes if isinstance(o, str)]
+        if errors:
+            raise RuntimeError(f"{name}: {len(errors)} simulated ranks failed, e.g. {errors[0]}")
+        per_rank = [sum(o.values()) for _, o in outcomes]
+        kinds: collections.Counter[str] = collections.Counter()
+        for _, o in outcomes:
+            kinds.update(o)
+        result[name] = {
+            "seconds": max(t for t, _ in outcomes) - start,
+            "server_cpu_seconds": cpu,
+            "requests_per_rank": collections.Counter(per_rank).most_common(1)[0][0],
+            "requests_max": max(per_rank),
+            "requests_total": sum(per_rank),
+            "by_method": dict(kinds),
+        }
+    return result
 
 
 def rows(fake: dict | None, store: dict | None) -> list[dict]:
@@ -223,16 +257,22 @@ def rows(fake: dict | None, store: dict | None) -> list[dict]:
                        f"once per root; summary {fake['summary_bytes'] / 1e3:.0f} KB"))
     if store:
         w = store["sim_world"]
-        for key, label in (("agree", "all agree"), ("differ", "last rank differs")):
-            s = store[key]
+        base = store["release only"]
+        out.append(row(
+            f"TCPStore, W={w} simulated ranks: releasing and collecting them only (s)",
+            base["seconds"], None, None,
+            f"baseline: {base['server_cpu_seconds']:.2f} s server CPU",
+        ))
+        for key in ("all agree", "last rank differs"):
+            r = store[key]
             out.append(row(
-                f"divergence check on one TCPStore, W={w} simulated ranks, {label} (s)",
-                s["seconds"], None, None,
-                f"{s['requests_per_rank']} requests/rank (max {s['requests_max']}), "
-                f"{s['requests_total']} total",
+                f"divergence check on one TCPStore, W={w} simulated ranks, {key} (s)",
+                r["seconds"], None, None,
+                f"{r['server_cpu_seconds']:.2f} s server CPU; {r['requests_per_rank']} "
+                f"requests/rank (max {r['requests_max']}), {r['requests_total']} in all",
             ))
-        out.append(row(f"keys left on the TCPStore after both checks, W={w}",
-                       float(store["keys_left"]), None, None, "0: each check deletes its keys"))
+        out.append(row(f"keys the checks left on the TCPStore, W={w}",
+                       float(store["keys_left"]), None, None, "each check deletes its keys"))
     return out
 
 
@@ -253,11 +293,11 @@ def main() -> None:
     fake = launch(check_cost_body, 1024, shape, 1 if args.quick else 3, backend="fake",
                   timeout=300)[0]
     sim_world = 1024 if args.quick else 16384
-    store = launch(store_body, 1, sim_world, timeout=300)[0]
+    store = launch(store_body, 1, sim_world, timeout=600)[0]
     print(markdown(rows(fake, store)))
-    print(f"\nclients connected in {store['connect_seconds']:.1f} s (not timed above); "
-          f"requests by method, all agree: {store['agree']['by_method']}; "
-          f"last rank differs: {store['differ']['by_method']}")
+    print(f"\n{sim_world} clients connected in {store['connect_seconds']:.1f} s (not timed); "
+          "requests by method: " + "; ".join(
+              f"{k}: {store[k]['by_method']}" for k in ("all agree", "last rank differs")))
     print(f"total {time.monotonic() - started:.0f} s, torch {torch.__version__}")
 
 

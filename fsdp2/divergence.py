@@ -30,9 +30,10 @@ rank. Per rank, O(1) store operations (``exchange``):
 2. every rank ``add``s 1 to ``arrived``; the rank whose ``add`` returns the
    participant count reads ``bad``, ``failed`` and ``abort`` and ``set``s the
    verdict in ``done``; every rank ``get``s it;
-3. only on a mismatch, the reference and the first bad rank publish their full
-   summaries (or the first failed rank its error text) and every rank reads
-   them;
+3. only on a mismatch: the first bad rank publishes its full summary, the
+   reference reads it, compares it with its own and publishes the error
+   message, which every rank reads (one summary crosses the store, not W); if
+   some rank failed, the first failed rank publishes its error text instead;
 4. every rank ``add``s 1 to ``left``; the last one deletes the check's keys.
 
 So every rank reaches the same verdict and raises the same error: a
@@ -75,7 +76,7 @@ logger = logging.getLogger("fsdp2.divergence")
 
 _FAILED = "!"  # the reference's ``ref`` when its own lazy init failed (hashes are hex)
 _KEYS = ("ref", "bad", "failed", "who", "arrived", "abort", "done",
-         "ref_summary", "bad_summary", "error", "left")
+         "bad_summary", "message", "error", "left")
 
 # Checks so far per default process group and participants: the next one's key prefix.
 # Keyed by the process group, not global: thread ranks (torch's threaded PG) share globals.
@@ -167,6 +168,8 @@ def check_same_model(
         store, dist.get_rank(), ranks,
         digest=None if fingerprint is None else _hash(fingerprint),
         summary=lambda: json.dumps(fingerprint),
+        describe=lambda ref, bad, bad_ranks: describe_divergence(
+            root_name, ranks[0], json.loads(ref), bad_ranks, json.loads(bad)),
         error=None if local_error is None else f"{type(local_error).__name__}: {local_error}",
         what=f"root '{root_name}'",
     )
@@ -180,11 +183,7 @@ def check_same_model(
             f"collective. Rank {failed[0]} raised:\n{verdict.error}"
         )
     if verdict.bad:
-        assert verdict.ref_summary is not None and verdict.bad_summary is not None
-        raise ValueError(describe_divergence(
-            root_name, ranks[0], json.loads(verdict.ref_summary), verdict.bad,
-            json.loads(verdict.bad_summary),
-        ))
+        raise ValueError(verdict.message)
     logger.debug("divergence check: %s, %d groups, %d ranks agree", root_name, len(groups),
                  len(ranks))
 
@@ -195,8 +194,7 @@ class Verdict:
 
     bad: list[int]  # ranks whose hash differs from the reference's
     failed: list[int]  # ranks whose own lazy init failed
-    ref_summary: str | None = None  # JSON summaries, only when some rank is bad
-    bad_summary: str | None = None  # (the first bad rank's)
+    message: str | None = None  # the reference's description of the difference, if any is bad
     error: str | None = None  # the first failed rank's error, read by the ranks that did not fail
 
 
@@ -206,6 +204,7 @@ def exchange(
     ranks: Sequence[int],
     digest: str | None,
     summary: Callable[[], str],
+    describe: Callable[[str, str, list[int]], str],
     error: str | None,
     what: str,
 ) -> Verdict:
@@ -214,7 +213,9 @@ def exchange(
     ``store``: a store private to this check (a ``PrefixStore``); ``ranks``:
     the sorted participants; ``digest``: this rank's hash, ``None`` when its
     lazy init failed with ``error``; ``summary()``: its summary as JSON, asked
-    for only on a mismatch; ``what``: names the check in timeout errors.
+    for only on a mismatch; ``describe(reference's summary, first bad rank's
+    summary, bad ranks)``: the error message, called on the reference only;
+    ``what``: names the check in timeout errors.
     """
     ref, n = ranks[0], len(ranks)
 
@@ -247,14 +248,14 @@ def exchange(
             store.set("error", error)
         if error is None:
             out.error = get("error")
-    elif out.bad and not out.failed:
-        mine = summary() if rank in (ref, out.bad[0]) else None
-        if rank == ref:
-            store.set("ref_summary", mine)
+    elif out.bad:  # one summary crosses the store, then one message: not W summaries
         if rank == out.bad[0]:
-            store.set("bad_summary", mine)
-        out.ref_summary = mine if rank == ref else get("ref_summary")
-        out.bad_summary = mine if rank == out.bad[0] else get("bad_summary")
+            store.set("bad_summary", summary())
+        if rank == ref:
+            out.message = describe(summary(), get("bad_summary"), out.bad)
+            store.set("message", out.message)
+        else:
+            out.message = get("message")
     if store.add("left", 1) == n:  # everybody has read everything: leave nothing behind
         for key in _KEYS:
             store.delete_key(key)
