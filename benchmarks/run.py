@@ -26,6 +26,7 @@ sys.path.insert(0, HERE)
 
 from _ranks import launch  # noqa: E402
 from bench_bytes import bytes_body  # noqa: E402
+from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
@@ -45,6 +46,7 @@ FULL = {
     "hook_reps": 100,
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
+    "divergence_world_size": 16384,
     "timeout": 420,
 }
 QUICK = {
@@ -58,6 +60,7 @@ QUICK = {
     "hook_reps": 15,
     "materialize_shape": {**LLAMA_70B, "n_layers": 8},
     "materialize_reps": 1,
+    "divergence_world_size": 1024,
     "timeout": 120,
 }
 WORLD_SIZE = 2
@@ -125,6 +128,11 @@ def main() -> None:
             )[0],
         ),
         ("pipeline", lambda: launch(pipeline_body, 4, cfg, timeout=cfg["timeout"])),
+        (
+            "divergence",
+            lambda: launch(store_body, 1, cfg["divergence_world_size"],
+                           timeout=cfg["timeout"])[0],
+        ),
     ]
     only = os.environ.get("FSDP2_BENCH_ONLY")  # e.g. "pipeline": run one part while developing
     if only:
