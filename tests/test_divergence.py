@@ -98,13 +98,21 @@ def _no_grad_bias(model):
     model[0].bias.requires_grad_(False)
 
 
-def _rerun_after_fix(rank, world_size):
-    """Rank 1 differs, every rank raises; rank 1 fixes it, the re-run passes; no key left."""
+def _keys_left(world_size):
+    """The divergence checks' keys still in the store, over every check on these ranks so far."""
+    from fsdp2 import divergence
     from fsdp2._torch_compat import default_store
 
-    store = default_store()
-    dist.barrier()  # every rank's earlier checks have deleted their keys
-    keys = store.num_keys()
+    store, ranks = default_store(), tuple(range(world_size))
+    checks = divergence._CHECKS[dist.group.WORLD][ranks]
+    prefix = divergence._next_prefix(ranks).rsplit("/", 1)[0]
+    divergence._CHECKS[dist.group.WORLD][ranks] = checks  # undo _next_prefix's count
+    return [f"{prefix}/{k}/{key}" for k in range(checks) for key in divergence._KEYS
+            if store.check([f"{prefix}/{k}/{key}"])]
+
+
+def _rerun_after_fix(rank, world_size):
+    """Rank 1 differs, every rank raises; rank 1 fixes it, the re-run passes; no key left."""
     model = _model(rank, world_size, differ_on=1, change=_no_grad_bias)
     try:
         model(torch.randn(2, 8))
@@ -116,8 +124,8 @@ def _rerun_after_fix(rank, world_size):
         model[0].bias.requires_grad_(True)
     model(torch.randn(2, 8)).sum().backward()  # lazy init again, with fresh keys
     assert model[0].bias.grad is not None
-    dist.barrier()
-    assert store.num_keys() == keys, (store.num_keys(), keys)
+    dist.barrier()  # the last rank out of each check has deleted its keys
+    assert _keys_left(world_size) == []
 
 
 def _first_forward_error(model):
