@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 from _ranks import launch  # noqa: E402
 from bench_bytes import bytes_body  # noqa: E402
 from bench_checkpoint import checkpoint_body  # noqa: E402
+from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
@@ -50,6 +51,7 @@ FULL = {
     "ckpt_reps": 6,
     "muon_shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
     "muon_reps": 5,
+    "divergence_world_size": 16384,
     "timeout": 420,
 }
 QUICK = {
@@ -66,6 +68,7 @@ QUICK = {
     "ckpt_reps": 2,
     "muon_shape": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 352},
     "muon_reps": 2,
+    "divergence_world_size": 1024,
     "timeout": 120,
 }
 WORLD_SIZE = 2
@@ -141,6 +144,11 @@ def main() -> None:
             lambda: launch(
                 muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
             )[0],
+        ),
+        (
+            "divergence",
+            lambda: launch(store_body, 1, cfg["divergence_world_size"],
+                           timeout=cfg["timeout"])[0],
         ),
     ]
     only = os.environ.get("FSDP2_BENCH_ONLY")  # e.g. "pipeline": run one part while developing

@@ -145,11 +145,18 @@ def _materialize_rows(raw: dict) -> list[dict]:
         check = 1e3 * median(ours["divergence_check"])
         rows.append(
             row(f"of which the divergence check (fsdp2 only), {where} (ms)", check, None, None,
-                "once per root; nothing per step")
+                "skipped under the fake PG; see bench_divergence.py")
         )
         rest = 1e3 * median([a - b for a, b in zip(ours["lazy_init"], ours["divergence_check"])])
         rows.append(ratio_row(f"root lazy init without that check, {where} (ms)", rest, t["torch"]))
     return rows
+
+
+def _divergence_rows(raw: dict) -> list[dict]:
+    from bench_divergence import rows
+
+    store = raw.get("divergence")
+    return rows(None, store) if store and "sim_world" in store else []
 
 
 def _analytic(groups: dict, world_size: int, raf: bool, activations: float) -> tuple[float, float]:
@@ -270,7 +277,7 @@ def build_rows(raw: dict) -> list[dict]:
     rows = []
     for make in (
         _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows,
-        _checkpoint_rows, _muon_rows,
+        _checkpoint_rows, _muon_rows, _divergence_rows,
     ):
         try:
             rows += make(raw)

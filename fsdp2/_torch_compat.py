@@ -452,3 +452,16 @@ def fake_tensors_active() -> bool:
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode() is not None
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group, shared by every rank of the world.
+
+    The rendezvous store (TCPStore, FileStore, HashStore for thread ranks) that
+    ``init_process_group`` made or was given; the divergence check exchanges
+    through it instead of a collective. Wraps ``torch.distributed.distributed_c10d.
+    _get_default_store`` (checked on torch 2.13 and 2.15).
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

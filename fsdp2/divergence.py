@@ -8,31 +8,50 @@ others' connections, NCCL hangs or silently mixes buffers. So before the root's
 first collective each rank summarizes what it is about to shard, per group in
 lazy-init order: the group's modules, mesh (shape, dim names, ranks),
 ``reshard_after_forward``, mixed-precision and offload policies, and per
-parameter its FQN, global shape, dtype, ``requires_grad`` and placements. The
-summary is hashed to 62 bits; ranks exchange the hashes in one ``all_reduce``
-(``MAX``) of a world-sized int64 vector where rank ``r`` fills slot ``r``
-(8 KiB at W = 1024), once per root. Equal hashes end the check. Otherwise every
-rank has seen the same vector, so every rank takes the same slow path: the full
-summaries are exchanged (``all_gather_object``) and every rank raises the same
+parameter its FQN, global shape, dtype, ``requires_grad`` and placements, and
+hashes the summary.
+
+The ranks compare hashes through the default process group's key-value store
+(the rendezvous TCPStore / FileStore, or the HashStore of thread ranks), not
+through a collective: the training process groups see nothing, so the first
+step issues exactly upstream's collectives (``CommDebugMode`` and
+communication-count tests agree), and no device is synchronized. The
+participants are the ranks the root's meshes span; the keys live under
+``fsdp2/divergence/<participants digest>/<k>/``, ``k`` counting the checks on
+those ranks so far (per default process group: thread ranks share one
+process), so a check re-run after a failed lazy init uses fresh keys on every
+rank. Per rank, O(1) store operations (``exchange``):
+
+1. every rank ``append``s itself to ``who``; the lowest participant, the
+   reference, ``set``s ``ref`` to its hash; every other rank ``get``s it (a
+   blocking read) and, if its own hash differs, ``append``s itself to
+   ``bad``; a rank whose own lazy-init checks failed (parameters still on
+   ``meta``, mixed dtypes, ...) appends itself to ``failed`` instead;
+2. every rank ``add``s 1 to ``arrived``; the rank whose ``add`` returns the
+   participant count reads ``bad``, ``failed`` and ``abort`` and ``set``s the
+   verdict in ``done``; every rank ``get``s it;
+3. only on a mismatch: the first bad rank publishes its full summary, the
+   reference reads it, compares it with its own and publishes the error
+   message, which every rank reads (one summary crosses the store, not W); if
+   some rank failed, the first failed rank publishes its error text instead;
+4. every rank ``add``s 1 to ``left``; the last one deletes the check's keys.
+
+So every rank reaches the same verdict and raises the same error: a
 ``ValueError`` naming the first differing group and parameter, what each side
-has and which ranks differ. Only matching collectives ran, so the process group
-stays usable.
+has and which ranks differ from the reference; a ``RuntimeError`` quoting the
+first failed rank's error (each failed rank re-raises its own). The process
+groups were never touched, so they stay usable. A participant that never
+arrives (crashed, stuck, different meshes) makes the others' blocking read
+fail at the store's timeout: each raises a ``RuntimeError`` naming the key it
+waited for and the ranks missing from ``who``, and leaves that message in
+``abort`` for the ranks still to come. The store's load per check is O(W)
+small requests in all (about six per rank; ``benchmarks/bench_divergence.py``
+measures W = 16384 on one TCPStore) and nothing stays behind.
 
-Which process group: the default one when the root's meshes span the whole
-world (the usual case, whatever the meshes' shapes, so ranks that chose
-different meshes still meet); otherwise (pipeline stages, tensor-parallel
-``dp`` sub-meshes) the one group among the root's shard and replicate groups
-that covers all the ranks its meshes span, or, failing that, each of those
-groups in one global order, the vector accumulating (a 2-D mesh: rows, then
-columns). A rank whose slot stays 0 was not reached and is not compared (under
-torch's fake process group, whose collectives do nothing, only the own slot is
-filled: the check passes at no cost). Under a ``FakeTensorMode`` (``fsdp2.plan``,
-memory trackers) tensors hold no data, so there is nothing to compare: no check.
-
-A rank whose own lazy-init checks failed (parameters still on ``meta``, mixed
-dtypes, ...) takes part with a marker instead of its hash: it re-raises its
-own error, and the other ranks raise a ``RuntimeError`` quoting it, instead
-of waiting in the first all-gather for a rank that will never come.
+No check where there is nothing to compare or nobody to compare with: under a
+``FakeTensorMode`` (``fsdp2.plan``, memory trackers) tensors hold no data; on
+torch's fake process group (backend ``"fake"``) one process plays every rank
+and its store is a stub; a root whose meshes span one rank.
 
 Per step this costs nothing: it runs once per root (again only after lazy
 init failed).
@@ -41,20 +60,27 @@ init failed).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ._torch_compat import fake_tensors_active
+from ._torch_compat import default_store, fake_tensors_active
 from .param_group import FSDPParamGroup
 
 logger = logging.getLogger("fsdp2.divergence")
 
-_ERROR_MARK = 1  # the slot of a rank whose own lazy-init checks failed (hashes are >= 2)
-_HASH_MASK = (1 << 62) - 1
+_FAILED = "!"  # the reference's ``ref`` when its own lazy init failed (hashes are hex)
+_KEYS = ("ref", "bad", "failed", "who", "arrived", "abort", "done",
+         "bad_summary", "message", "error", "left")
+
+# Checks so far per default process group and participants: the next one's key prefix.
+# Keyed by the process group, not global: thread ranks (torch's threaded PG) share globals.
+_CHECKS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], int]] = weakref.WeakKeyDictionary()
 
 
 def group_fingerprint(group: FSDPParamGroup, meshes: dict[int, str]) -> dict[str, Any]:
@@ -96,33 +122,25 @@ def group_fingerprint(group: FSDPParamGroup, meshes: dict[int, str]) -> dict[str
     }
 
 
-def _hash(fingerprint: list[dict[str, Any]]) -> int:
-    digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") & _HASH_MASK) + 2
+def _hash(fingerprint: list[dict[str, Any]]) -> str:
+    return hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).hexdigest()
 
 
-def _ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
+def _participants(groups: Sequence[FSDPParamGroup]) -> tuple[int, ...]:
+    """The ranks the root's meshes span (a 2-D mesh: rows and columns), sorted."""
+    ranks: set[int] = set()
+    for mesh in {id(g.mesh_info.mesh): g.mesh_info.mesh for g in groups}.values():
+        ranks.update(mesh.mesh.flatten().tolist())
+    return tuple(sorted(ranks))
 
 
-def _exchange_groups(groups: Sequence[FSDPParamGroup]) -> list[dist.ProcessGroup | None]:
-    """The process groups the check runs over, in an order every rank shares (see the note)."""
-    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    union: set[int] = set()  # the ranks the meshes span (a 2-D mesh: more than its rows)
-    meshes = {id(g.mesh_info.mesh): g.mesh_info for g in groups}  # most groups share one mesh
-    for info in meshes.values():
-        union.update(info.mesh.mesh.flatten().tolist())
-        for pg in (info.shard_process_group, info.replicate_process_group):
-            if pg is not None:
-                by_ranks.setdefault(tuple(sorted(_ranks_of(pg))), pg)
-    if len(union) <= 1:
-        return []
-    if len(union) == dist.get_world_size():
-        return [None]  # the default group
-    for ranks, pg in by_ranks.items():
-        if set(ranks) == union:
-            return [pg]
-    return [by_ranks[r] for r in sorted(by_ranks, key=lambda r: (-len(r), r))]
+def _next_prefix(ranks: tuple[int, ...]) -> str:
+    """This check's keys: the same on every participant, fresh for every check."""
+    counts = _CHECKS.setdefault(dist.group.WORLD, {})
+    k = counts.get(ranks, 0)
+    counts[ranks] = k + 1
+    digest = hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
+    return f"fsdp2/divergence/{len(ranks)}r{digest}/{k}"
 
 
 def check_same_model(
@@ -130,76 +148,187 @@ def check_same_model(
     groups: Sequence[FSDPParamGroup],
     local_error: BaseException | None = None,
 ) -> None:
-    """Raise the same ``ValueError`` on every rank if the ranks would shard different models.
+    """Raise the same error on every rank if the ranks would shard different models.
 
     ``groups``: the root's groups in lazy-init order, named (FQNs set).
     ``local_error``: this rank's own lazy-init failure, if any; it is
     re-raised here after the exchange. See [Note: Divergence check at lazy init].
     """
-    # Fake tensors (a FakeTensorMode: planning, memory tracking) hold no data to compare.
-    pgs = [] if fake_tensors_active() else _exchange_groups(groups)
-    if not pgs:
+    # Fake tensors hold no data to compare; a fake PG is one process playing every rank.
+    skip = fake_tensors_active() or not dist.is_initialized() or dist.get_backend() == "fake"
+    ranks = () if skip else _participants(groups)
+    if len(ranks) <= 1:
         if local_error is not None:
             raise local_error
         return
     meshes: dict[int, str] = {}
-    fingerprint = [] if local_error else [group_fingerprint(g, meshes) for g in groups]
-    mine = _ERROR_MARK if local_error is not None else _hash(fingerprint)
-    device = groups[0].device
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    slots = torch.zeros(world_size, dtype=torch.int64, device=device)
-    slots[rank] = mine
-    for pg in pgs:
-        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=pg)
-    seen = slots.tolist()
-    known = [r for r, v in enumerate(seen) if v != 0]
-    if all(seen[r] == mine for r in known) and mine != _ERROR_MARK:
-        logger.debug("divergence check: %s, %d groups, %d ranks agree", root_name,
-                     len(groups), len(known))
-        return
-    if all(seen[r] == mine for r in known):  # every rank failed alike: each raises its own
-        raise local_error
-    # Slow path, taken by every rank alike: exchange the summaries and describe the difference.
-    summary = {rank: (fingerprint, None if local_error is None else _describe(local_error))}
-    for pg in pgs:
-        gathered: list[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(gathered, summary, group=pg)
-        for part in gathered:
-            summary.update(part)
+    fingerprint = None if local_error else [group_fingerprint(g, meshes) for g in groups]
+    store = dist.PrefixStore(_next_prefix(ranks), default_store())
+    verdict = exchange(
+        store, dist.get_rank(), ranks,
+        digest=None if fingerprint is None else _hash(fingerprint),
+        summary=lambda: json.dumps(fingerprint),
+        describe=lambda ref, bad, bad_ranks: describe_divergence(
+            root_name, ranks[0], json.loads(ref), bad_ranks, json.loads(bad)),
+        error=None if local_error is None else f"{type(local_error).__name__}: {local_error}",
+        what=f"root '{root_name}'",
+    )
     if local_error is not None:
         raise local_error
-    failed = {r: err for r, (_, err) in sorted(summary.items()) if err is not None}
-    if failed:
-        r, err = next(iter(failed.items()))
+    if verdict.failed:
+        failed = verdict.failed
         raise RuntimeError(
             f"FSDP lazy init of '{root_name}' failed on rank{'s' if len(failed) > 1 else ''} "
-            f"{sorted(failed)}, so this rank stops too instead of waiting for it in a "
-            f"collective. Rank {r} raised:\n{err}"
+            f"{_format_ranks(failed)}, so this rank stops too instead of waiting for it in a "
+            f"collective. Rank {failed[0]} raised:\n{verdict.error}"
         )
-    raise ValueError(describe_divergence(root_name, {r: fp for r, (fp, _) in summary.items()}))
+    if verdict.bad:
+        raise ValueError(verdict.message)
+    logger.debug("divergence check: %s, %d groups, %d ranks agree", root_name, len(groups),
+                 len(ranks))
 
 
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+@dataclass
+class Verdict:
+    """What every participant of one check learns; the same on all of them."""
+
+    bad: list[int]  # ranks whose hash differs from the reference's
+    failed: list[int]  # ranks whose own lazy init failed
+    message: str | None = None  # the reference's description of the difference, if any is bad
+    error: str | None = None  # the first failed rank's error, read by the ranks that did not fail
 
 
-def describe_divergence(root_name: str, fingerprints: dict[int, list[dict[str, Any]]]) -> str:
-    """The error message: the first difference between rank ``min`` and the first rank unlike it."""
-    ranks = sorted(fingerprints)
-    ref_rank = ranks[0]
-    ref = fingerprints[ref_rank]
-    differing = [r for r in ranks if fingerprints[r] != ref]
-    other = differing[0]
-    where, ours, theirs = _first_difference(ref, fingerprints[other])
+def exchange(
+    store: Any,
+    rank: int,
+    ranks: Sequence[int],
+    digest: str | None,
+    summary: Callable[[], str],
+    describe: Callable[[str, str, list[int]], str],
+    error: str | None,
+    what: str,
+) -> Verdict:
+    """One check's store protocol, steps 1-4 of [Note: Divergence check at lazy init].
+
+    ``store``: a store private to this check (a ``PrefixStore``); ``ranks``:
+    the sorted participants; ``digest``: this rank's hash, ``None`` when its
+    lazy init failed with ``error``; ``summary()``: its summary as JSON, asked
+    for only on a mismatch; ``describe(reference's summary, first bad rank's
+    summary, bad ranks)``: the error message, called on the reference only;
+    ``what``: names the check in timeout errors.
+    """
+    ref, n = ranks[0], len(ranks)
+
+    def get(key: str) -> str:  # a blocking read; a clear error at the store's timeout
+        try:
+            return store.get(key).decode()
+        except RuntimeError as e:  # DistStoreError (timeout), DistNetworkError (store gone)
+            raise RuntimeError(_stalled(store, key, ranks, what, e)) from e
+
+    store.append("who", f"{rank},")  # first: a timeout names the ranks that never came
+    if rank == ref:
+        store.set("ref", digest or _FAILED)
+        ref_digest = digest
+    else:
+        ref_digest = get("ref")
+    if error is not None:
+        store.append("failed", f"{rank},")
+    elif ref_digest not in (digest, _FAILED):
+        store.append("bad", f"{rank},")
+    if store.add("arrived", 1) == n:  # the last to arrive: everybody's appends are in
+        verdict = {key: _read(store, key) for key in ("bad", "failed", "abort")}
+        store.set("done", json.dumps(verdict))
+    done = json.loads(get("done"))
+    if done["abort"]:  # a rank gave up waiting before the last arrived: it raised already
+        raise RuntimeError(f"FSDP's check that every rank shards the same model ({what}) was "
+                           f"abandoned by another rank:\n{done['abort']}")
+    out = Verdict(_parse_ranks(done["bad"]), _parse_ranks(done["failed"]))
+    if out.failed and len(out.failed) < n:  # all failed: each raises its own, no reads
+        if rank == out.failed[0]:
+            store.set("error", error)
+        if error is None:
+            out.error = get("error")
+    elif out.bad:  # one summary crosses the store, then one message: not W summaries
+        if rank == out.bad[0]:
+            store.set("bad_summary", summary())
+        if rank == ref:
+            out.message = describe(summary(), get("bad_summary"), out.bad)
+            store.set("message", out.message)
+        else:
+            out.message = get("message")
+    if store.add("left", 1) == n:  # everybody has read everything: leave nothing behind
+        for key in _KEYS:
+            store.delete_key(key)
+    return out
+
+
+def _read(store: Any, key: str) -> str:
+    """The value of ``key``, or "" where nobody set it (``get`` would block)."""
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def _parse_ranks(text: str) -> list[int]:
+    return sorted({int(r) for r in text.split(",") if r})
+
+
+def _format_ranks(ranks: Sequence[int]) -> str:
+    """``[1, 2]``; a long list as ranges (``0-7, 16-23``): thousands of ranks may differ."""
+    ranks = sorted(ranks)
+    if len(ranks) <= 16:
+        return str(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def _stalled(store: Any, key: str, ranks: Sequence[int], what: str, cause: Exception) -> str:
+    """The error of a rank whose blocking read failed; left in ``abort`` for the others."""
+    try:
+        if store.check(["abort"]):  # another rank gave up first: quote it
+            return (f"FSDP's check that every rank shards the same model ({what}) was "
+                    f"abandoned by another rank:\n{store.get('abort').decode()}")
+        arrived = set(_parse_ranks(_read(store, "who")))
+    except RuntimeError:  # the store itself is gone
+        return (f"FSDP's check that every rank shards the same model ({what}) lost the "
+                f"process group's store while waiting for key '{key}': {cause}")
+    missing = [r for r in ranks if r not in arrived]
+    message = (
+        f"FSDP's check that every rank shards the same model ({what}, ranks "
+        f"{_format_ranks(ranks)}) waited for store key '{key}' until the store's timeout "
+        f"({getattr(store, 'timeout', '?')}): rank{'s' if len(missing) != 1 else ''} "
+        f"{_format_ranks(missing)} never reached the first forward through this root (crashed, "
+        f"stuck, or running different code or meshes). Store error: {cause}"
+    )
+    try:
+        store.set("abort", message)
+    except RuntimeError:
+        pass  # the message is raised here anyway
+    return message
+
+
+def describe_divergence(
+    root_name: str,
+    ref_rank: int,
+    ref: list[dict[str, Any]],
+    differing: Sequence[int],
+    other: list[dict[str, Any]],
+) -> str:
+    """The error message: the first difference between the reference and the first rank unlike it."""
+    where, ours, theirs = _first_difference(ref, other)
     return (
         f"FSDP ranks are about to shard different models under the root '{root_name}': "
-        + (f"rank {differing[0]} differs" if len(differing) == 1 else f"ranks {differing} differ")
+        + (f"rank {differing[0]} differs" if len(differing) == 1
+           else f"ranks {_format_ranks(differing)} differ")
         + f" from rank {ref_rank} "
         f"(checked at the first forward, before any FSDP collective; the process group is "
         f"still usable).\n"
         f"First difference, {where}:\n"
         f"  rank {ref_rank}: {ours}\n"
-        f"  rank {other}: {theirs}\n"
+        f"  rank {differing[0]}: {theirs}\n"
         "Every rank must build the same model (parameter names, shapes, dtypes, requires_grad) "
         "and call fully_shard on the same modules in the same order with the same arguments "
         "(mesh, reshard_after_forward, mp_policy, offload_policy): look for configuration read "

@@ -51,10 +51,9 @@ def train(rank: int, world_size: int) -> dict:
     """Train ``STEPS`` AdamW steps with HSDP; return losses, full parameters and collective groups.
 
     ``losses`` are the global means per step; ``groups`` lists ``(kind, ranks
-    of its process group)`` for every collective of the second step's forward
-    and backward (a steady step: the first also runs lazy init, whose one-time
-    divergence check in fsdp2 spans the whole world); ``params`` (rank 0 only, else ``None``) are the final full
-    parameters by name.
+    of its process group)`` for every collective of the first step's forward
+    and backward (lazy init included: it adds none); ``params`` (rank 0 only,
+    else ``None``) are the final full parameters by name.
     """
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("replicate", "shard"))
     model = shard_transformer(build_transformer(seed=SEED), fully_shard, mesh=mesh)
@@ -68,7 +67,7 @@ def train(rank: int, world_size: int) -> dict:
 
     losses = []
     for step in range(STEPS):
-        with on_collectives(record, TENSOR_COLLECTIVES) if step == 1 else nullcontext():
+        with on_collectives(record, TENSOR_COLLECTIVES) if step == 0 else nullcontext():
             loss = transformer_loss(model, rank_slice(batch(step), rank, world_size))
             loss.backward()
         optim.step()

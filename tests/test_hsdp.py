@@ -6,7 +6,6 @@ All cases run in one 4-rank launch (2x2 and 4x1 meshes); each test checks its ca
 from __future__ import annotations
 
 import pytest
-import torch
 from _impl import fully_shard
 from checks import (
     assert_losses_match,
@@ -49,20 +48,13 @@ def _parity(rank, world_size, replicate, shard):
     assert_params_match(ref, model)
 
 
-def _lazy_init(model, batch, rank, world_size):
-    """A no-grad forward: lazy init's one-time collectives (fsdp2's divergence check) stay out."""
-    with torch.no_grad():
-        transformer_loss(model, rank_slice(batch, rank, world_size))
-
-
 def _all_reduce_counts(rank, world_size):
     mesh = _hsdp_mesh(2, 2)
     ref, model = make_pair(lambda: build_transformer(seed=8))
     shard_transformer(model, fully_shard, mesh=mesh)
     num_groups = len(model.layers) + 1
     batch = transformer_batch(0, 2 * world_size)
-    _lazy_init(model, batch, rank, world_size)
-    with record_collectives() as calls:
+    with record_collectives() as calls:  # the first step: lazy init adds no collective
         transformer_loss(model, rank_slice(batch, rank, world_size)).backward()
     all_reduces = [size for kind, size in calls if kind == "all_reduce"]
     assert all_reduces == [2] * num_groups, calls
@@ -78,7 +70,6 @@ def _accumulation(rank, world_size):
     shard_transformer(model, fully_shard, mesh=mesh)
     ref_opt, opt = make_opts(ref, model)
     micro = [transformer_batch(10 + i, 2 * world_size) for i in range(3)]
-    _lazy_init(model, micro[0], rank, world_size)
     for step in range(2):
         for i, batch in enumerate(micro):
             last = i == len(micro) - 1
