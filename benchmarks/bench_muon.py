@@ -5,7 +5,7 @@ then the root); its hidden matrices (every 2-D parameter but the embedding and
 the head) get seeded gradients, the same on every implementation, and one of
 three optimizers steps them:
 
-* ``fsdp2.Muon``: owner ranks, two all-to-alls per step (``fsdp2/muon.py``);
+* ``fsdp2.Muon``: owner ranks, two all-to-alls per step (``fsdp2/optim/muon.py``);
 * the workaround users write today: each rank updates its rows of the momentum,
   gathers every update whole with ``DTensor.full_tensor()``, runs the same
   Newton-Schulz on it, and keeps its own rows;
@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2
-from fsdp2.muon import newton_schulz
+from fsdp2.optim.muon import newton_schulz
 
 HYPER = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 

@@ -9,7 +9,7 @@ Launch (from the repository root; 4 ranks, CPU gloo or one GPU per rank):
 
 ``--shard-size`` is the size of the HSDP ``shard`` dim (default 2); with one
 node's device count, parameters are sharded within each node and only the
-gradient all-reduce crosses nodes (README, "Multi-node runs").
+gradient all-reduce crosses nodes (docs/multi-node.md).
 ``FSDP2_IMPL=torch`` runs the same script on upstream ``torch.distributed.fsdp``.
 Every data-parallel rank draws its own batch; TP ranks of one data-parallel
 index share theirs. The printed loss is the mean over data-parallel ranks.

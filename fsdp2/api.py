@@ -133,7 +133,7 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _from_upstream(policy: object) -> object:
     """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
-    from .patch import unpatched  # torch's classes even under patch_torch()
+    from .integrations.patch import unpatched  # torch's classes even under patch_torch()
 
     if isinstance(policy, unpatched("MixedPrecisionPolicy")):
         return MixedPrecisionPolicy(

@@ -19,7 +19,8 @@ from .api import (
     resolve_policies,
 )
 from .errors import FSDPAssertionError, FSDPNotImplementedError
-from .mesh import (
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .runtime.mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
     default_mesh,
@@ -28,12 +29,17 @@ from .mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
-from .mixed_precision import keeps_own_dtype
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from .param import FSDPParam
-from .param_group import FSDPParamGroup
-from .spmd import SpmdDims, SpmdLayout, resolve_reshard_after_forward, spmd_dims_for, spmd_layout
-from .state import FSDPState, state_of
+from .runtime.mixed_precision import keeps_own_dtype
+from .runtime.param import FSDPParam
+from .runtime.param_group import FSDPParamGroup
+from .runtime.spmd import (
+    SpmdDims,
+    SpmdLayout,
+    resolve_reshard_after_forward,
+    spmd_dims_for,
+    spmd_layout,
+)
+from .runtime.state import FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 

@@ -22,7 +22,7 @@ import torch.distributed.fsdp._fully_shard as upstream_pkg
 import torch.nn as nn
 
 import fsdp2
-from fsdp2.patch import PATCHED_NAMES
+from fsdp2.integrations.patch import PATCHED_NAMES
 from fsdp2.versions import ADDED_IN, upstream_has
 
 #: fsdp2's names from newer torch releases that the installed torch lacks.

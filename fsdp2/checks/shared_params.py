@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
-from .param import ORIG_UID_ATTR, FSDPParam
+from ..runtime.param import ORIG_UID_ATTR, FSDPParam
 
 if TYPE_CHECKING:
-    from .state import FSDPState
+    from ..runtime.state import FSDPState
 
 
 def check_shared_params(

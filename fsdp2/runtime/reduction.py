@@ -80,12 +80,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import FSDPAssertionError
+from ..versions import ACCUMULATE_IN_GRAD_DTYPE
 from . import collectives
 from .comm_memory import effective
-from .errors import FSDPAssertionError
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
-from .versions import ACCUMULATE_IN_GRAD_DTYPE
 
 
 class GradientReduction:

@@ -42,12 +42,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import collectives
-from ._torch_compat import in_backward, local_tensor
-from .errors import FSDPAssertionError, FSDPNotImplementedError
-from .param import FSDPParam
-from .param_group import FSDPParamGroup, TrainingState
-from .state import state_of
+from .._torch_compat import in_backward, local_tensor
+from ..errors import FSDPAssertionError, FSDPNotImplementedError
+from ..runtime import collectives
+from ..runtime.param import FSDPParam
+from ..runtime.param_group import FSDPParamGroup, TrainingState
+from ..runtime.state import state_of
 
 __all__ = ["summon_full_params"]
 

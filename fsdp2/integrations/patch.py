@@ -20,7 +20,7 @@ import threading
 import warnings
 from types import ModuleType, TracebackType
 
-from .versions import PIPELINING_USES_PUBLIC_FSDP_API
+from ..versions import PIPELINING_USES_PUBLIC_FSDP_API
 
 __all__ = ["PATCHED_MODULES", "PATCHED_NAMES", "TorchPatch", "patch_torch", "unpatched"]
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import strided_split_factor
+from .._torch_compat import strided_split_factor
 
 __all__ = ["MuonLoad", "Plan", "assign_owners", "check_param", "layout_of"]
 
@@ -154,7 +154,7 @@ def check_param(p: torch.Tensor, name: str) -> None:
 
 def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
     """The layout of a parameter that passed ``check_param``."""
-    from .mesh import device_for
+    from ..runtime.mesh import device_for
 
     layout = ParamLayout(name, p)
     if not isinstance(p, DTensor):

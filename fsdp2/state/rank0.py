@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._torch_compat import local_tensor, strided_split_factor
+from .._torch_compat import local_tensor, strided_split_factor
 
 __all__ = ["Chunk", "MeshCopies", "chunks_of", "check_placements", "comm_device",
            "copies_by_mesh", "gather_to_rank0", "meshes_of", "rank", "scatter_from_rank0"]

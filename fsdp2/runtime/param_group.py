@@ -49,19 +49,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch_compat import local_tensor, outside_functorch
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..errors import FSDPNotImplementedError
+from ..versions import ACCUMULATE_IN_GRAD_DTYPE
 from . import collectives, staged_collectives
-from ._force_collectives import skips_collectives
-from ._torch_compat import local_tensor, outside_functorch
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .comm_memory import effective
-from .errors import FSDPNotImplementedError
 from .flat_shard import FlatShard, FlatShardLayout
+from .force_collectives import skips_collectives
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
 from .reduce_op import ReducePlan
 from .reduction import GradientReduction
-from .versions import ACCUMULATE_IN_GRAD_DTYPE
 
 logger = logging.getLogger("fsdp2.param_group")
 

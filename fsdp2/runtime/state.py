@@ -69,21 +69,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._torch_compat import (
+from .._torch_compat import (
     functorch_active,
     in_backward,
     queue_backward_callback,
     tree_flatten,
     tree_unflatten,
 )
-from .api import MixedPrecisionPolicy
+from ..api import MixedPrecisionPolicy
+from ..checks.divergence import check_same_model
+from ..checks.shared_params import check_shared_params
 from .comm_memory import check_max_input_buffers
-from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .nested import map_tensors, tensors_in
 from .param_group import FSDPParamGroup, IterContext, TrainingState
-from .shared_params import check_shared_params
 
 logger = logging.getLogger("fsdp2.state")
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import dtensor_like
+from .._torch_compat import dtensor_like
 
 logger = logging.getLogger("fsdp2.checkpoint")
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._torch_compat import run_module_wrap_policy
+from .._torch_compat import run_module_wrap_policy
 
 __all__ = ["shard_model"]
 
@@ -108,7 +108,7 @@ def shard_model(
             tied parameter the policy would split across groups (named, with
             the modules holding it). Nothing is sharded then.
     """
-    from .fully_shard import fully_shard
+    from ..fully_shard import fully_shard
 
     _check_kwargs(fully_shard_kwargs, "shard_model")
     root_kwargs = dict(fully_shard_kwargs, mesh=mesh)

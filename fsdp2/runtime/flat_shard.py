@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._torch_compat import local_tensor
+from .._torch_compat import local_tensor
 from .param import FSDPParam
 
 

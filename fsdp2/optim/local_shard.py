@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import (
+from .._torch_compat import (
     dtensor_like,
     foreach_mul,
     foreach_norm,

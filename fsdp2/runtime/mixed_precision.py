@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .api import MixedPrecisionPolicy
-from .errors import FSDPAssertionError
+from ..api import MixedPrecisionPolicy
+from ..errors import FSDPAssertionError
+from ..versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 from .nested import map_tensors
-from .versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 
 
 def resolve_dtypes(

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import local_tensor
+from .._torch_compat import local_tensor
 from .muon_plan import MuonLoad, Plan, Unit, assign_owners, check_param, layout_of
 
 __all__ = ["Muon", "MuonLoad"]

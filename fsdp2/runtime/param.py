@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._torch_compat import (
+from .._torch_compat import (
     dtensor_like,
     dtensor_parameter,
     local_tensor,
@@ -68,7 +68,7 @@ from ._torch_compat import (
     set_requires_grad,
     strided_shard,
 )
-from .errors import FSDPAssertionError
+from ..errors import FSDPAssertionError
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .mesh import FSDPMeshInfo
 from .shard_storage import can_own_storage, own_storage

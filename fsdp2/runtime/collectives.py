@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import chunk_cat
+from .._torch_compat import chunk_cat
 from .param import FSDPParam
 
 

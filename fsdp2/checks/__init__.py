@@ -1,0 +1,1 @@
+"""Lazy-init checks: shared parameters across groups, models that differ across ranks."""
