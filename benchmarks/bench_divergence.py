@@ -60,7 +60,8 @@ def check_cost_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
     from common import cpu_mesh
     from model import _examples_module
 
-    from fsdp2 import divergence, fully_shard
+    from fsdp2 import fully_shard
+    from fsdp2.checks import divergence
     from fsdp2.runtime.state import state_of
 
     module = _examples_module()

@@ -76,7 +76,7 @@ def _lazy_init_seconds(impl: str, model: nn.Module) -> tuple[float, float]:
         t0 = time.perf_counter()
         model._get_fsdp_state()._lazy_init()
         return time.perf_counter() - t0, 0.0
-    from fsdp2 import divergence
+    from fsdp2.checks import divergence
     from fsdp2.runtime.state import state_of
 
     spent = []
