@@ -370,3 +370,17 @@ def test_one_process_without_a_process_group(tmp_path):
     assert load_latest(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
+
+
+def _async_save_body(rank, world_size, root):
+    model, optim = _build(cpu_mesh())
+    return save_checkpoint(root, model, optim, step=1, async_save=True).result()
+
+
+def test_forked_ranks_save_after_the_parent_did(tmp_path):
+    """An async save in this process, then forked ranks save async: the child's writer is its own."""
+    model = build_transformer(seed=38)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    save_checkpoint(tmp_path / "parent", model, optim, step=1, async_save=True).result()
+    root = str(tmp_path / "ranks")
+    assert run_ranks(_async_save_body, 2, root, timeout=60) == [os.path.join(root, "step-1")] * 2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -141,6 +142,18 @@ def _host_copy(tensor: torch.Tensor, path: tuple, devices: set) -> torch.Tensor:
     buf.copy_(tensor, non_blocking=True)
     devices.add(tensor.device)
     return buf
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads: an executor inherited from
+    # the parent would queue saves that never run, and an in-flight save or a
+    # process group of the parent's is not the child's.
+    global _executor, _in_flight, _group
+    _executor, _in_flight, _group = None, None, None
+    _pinned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register
