@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import fsdp2_only
-from _multiproc import DEFAULT_TIMEOUT_S, run_ranks
+from _multiproc import run_ranks
 from guide_blocks import DOCS, ROOT, check_fences, python_blocks, run_page
 
 pytestmark = fsdp2_only  # the guide's snippets import fsdp2 itself
@@ -138,9 +138,7 @@ def test_guide_page_runs(page, tmp_path):
     """Every runnable Python block of ``page`` runs, in order, on the page's ranks."""
     runnable = [b.name for b in python_blocks(page) if b.runs]
     assert runnable, f"{page} has no runnable Python block"
-    # A page runs many blocks in one launch (the checkpoint page: sync and async saves,
-    # each async one setting up a process group of its own): more than one test's time.
-    results = run_ranks(_body, PAGES[page], page, str(tmp_path), timeout=3 * DEFAULT_TIMEOUT_S)
+    results = run_ranks(_body, PAGES[page], page, str(tmp_path))
     assert all(ran == runnable for ran in results), results
 
 
