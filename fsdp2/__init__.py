@@ -5,6 +5,8 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
+from .checkpoint.state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .fsdp1.summon import summon_full_params
 from .fsdp1.wrap import shard_model
@@ -12,10 +14,9 @@ from .fully_shard import fully_shard
 from .handles import GradientReductionHandle, UnshardHandle
 from .integrations.patch import TorchPatch, patch_torch
 from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
-from .optim.local_shard import clip_grad_norm_, enable_local_shard_step
+from .optim.clip_grad import clip_grad_norm_
+from .optim.local_shard_step import enable_local_shard_step
 from .optim.muon import Muon, MuonLoad
-from .state.checkpoint import load_checkpoint, load_latest, save_checkpoint
-from .state.state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 
 __all__ = [
     # torch.distributed.fsdp's public API, same names and signatures

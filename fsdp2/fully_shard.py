@@ -20,6 +20,14 @@ from .api import (
 )
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .runtime.dp_mesh_dims import (
+    SpmdDims,
+    SpmdLayout,
+    resolve_reshard_after_forward,
+    spmd_dims_for,
+    spmd_layout,
+)
+from .runtime.hooks import FSDPState, state_of
 from .runtime.mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
@@ -32,14 +40,6 @@ from .runtime.mesh import (
 from .runtime.mixed_precision import keeps_own_dtype
 from .runtime.param import FSDPParam
 from .runtime.param_group import FSDPParamGroup
-from .runtime.spmd import (
-    SpmdDims,
-    SpmdLayout,
-    resolve_reshard_after_forward,
-    spmd_dims_for,
-    spmd_layout,
-)
-from .runtime.state import FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 

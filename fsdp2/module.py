@@ -21,9 +21,9 @@ import torch.nn as nn
 from .errors import FSDPAssertionError
 from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handle, reduction_handle
 from .runtime.comm_memory import use_process_group_memory, use_symm_mem
+from .runtime.hooks import FSDPState, state_of
 from .runtime.param_group import FSDPParamGroup
 from .runtime.staged_collectives import AllGather, ReduceScatter, check_comm
-from .runtime.state import FSDPState, state_of
 
 __all__ = ["FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
 

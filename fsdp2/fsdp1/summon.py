@@ -45,9 +45,9 @@ from torch.distributed.tensor import DTensor
 from .._torch_compat import in_backward, local_tensor
 from ..errors import FSDPAssertionError, FSDPNotImplementedError
 from ..runtime import collectives
+from ..runtime.hooks import state_of
 from ..runtime.param import FSDPParam
 from ..runtime.param_group import FSDPParamGroup, TrainingState
-from ..runtime.state import state_of
 
 __all__ = ["summon_full_params"]
 

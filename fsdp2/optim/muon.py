@@ -51,7 +51,7 @@ from .muon_plan import MuonLoad, Plan, Unit, assign_owners, check_param, layout_
 
 __all__ = ["Muon", "MuonLoad"]
 
-logger = logging.getLogger("fsdp2.muon")
+logger = logging.getLogger(__name__)
 
 # Keller Jordan's quintic coefficients and defaults, as torch.optim.Muon's
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

@@ -13,11 +13,11 @@ model and its limits.
     print(p.table())
 """
 
-from fsdp2.plan.api import Plan, plan, price
 from fsdp2.plan.cost import DEVICES, Device, get_device
-from fsdp2.plan.models import shipped_configs
+from fsdp2.plan.planner import Plan, plan, price
 from fsdp2.plan.search import search
 from fsdp2.plan.simulate import PlanConfig, Simulation, simulate
+from fsdp2.plan.workload import shipped_configs
 
 __all__ = [
     "DEVICES",

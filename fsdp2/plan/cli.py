@@ -17,12 +17,12 @@ import os
 import sys
 import warnings
 
-from fsdp2.plan.api import plan
 from fsdp2.plan.cost import DEVICES, get_device
-from fsdp2.plan.models import shipped_configs
+from fsdp2.plan.planner import plan
 from fsdp2.plan.report import search_table
 from fsdp2.plan.search import search
 from fsdp2.plan.simulate import DTYPES, OPTIMIZERS, PlanConfig
+from fsdp2.plan.workload import shipped_configs
 
 GiB = 1024**3
 

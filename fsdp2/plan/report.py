@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp2.plan.tracker import CATEGORIES
 
 if TYPE_CHECKING:
-    from fsdp2.plan.api import Plan
+    from fsdp2.plan.planner import Plan
 
 GiB = 1024**3
 LABELS = {

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from fsdp2.plan.api import Plan, price
 from fsdp2.plan.cost import Device
-from fsdp2.plan.models import load_hf_config
+from fsdp2.plan.planner import Plan, price
 from fsdp2.plan.simulate import PlanConfig, simulate
+from fsdp2.plan.workload import load_hf_config
 
 FEW = 2
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fsdp2._torch_compat import fake_tensor_mode, init_fake_process_group
-from fsdp2.plan import models
+from fsdp2.plan import workload
 from fsdp2.plan.tracker import Collective, StepTracker, Timeline
 
 DTYPES = {
@@ -209,7 +209,7 @@ def shard_model(
     sharded bytes.
     """
     fully_shard, mp_cls, offload_cls = _fully_shard_fn(cfg.implementation)
-    blocks = models.select_groups(model, cfg.groups)
+    blocks = workload.select_groups(model, cfg.groups)
     if tp_mesh is not None:
         from fsdp2.plan.tensor_parallel import apply_tensor_parallel
 
@@ -253,7 +253,7 @@ def simulate(cfg: PlanConfig) -> Simulation:
 def _run_step(
     cfg: PlanConfig, tracker: StepTracker, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None
 ) -> Simulation:
-    model = models.build_model(cfg.hf_config, cfg.model, _dtype(cfg.dtype, "dtype"))
+    model = workload.build_model(cfg.hf_config, cfg.model, _dtype(cfg.dtype, "dtype"))
     num_params = sum(p.numel() for p in model.parameters())
     groups, largest = shard_model(cfg, model, dp_mesh, tp_mesh)
     optim = _make_optimizer(cfg, model)
@@ -296,8 +296,8 @@ def _measured_step(
 
     for group in groups:  # runs after the FSDP pre-forward hook: parameters are unsharded
         group.register_forward_pre_hook(tag_unsharded)
-    make_inputs = cfg.make_inputs or models.token_inputs
-    loss_fn = cfg.loss_fn or models.lm_loss
+    make_inputs = cfg.make_inputs or workload.token_inputs
+    loss_fn = cfg.loss_fn or workload.lm_loss
     inputs, targets = make_inputs(model, cfg.batch_size, cfg.seq_len)
     tracker.set_phase("forward")
     loss = loss_fn(model(*inputs), targets)

@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..api import MixedPrecisionPolicy
 from ..errors import FSDPAssertionError
 from ..versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
-from .nested import map_tensors
+from .tensor_tree import map_tensors
 
 
 def resolve_dtypes(

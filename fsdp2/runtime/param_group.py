@@ -63,7 +63,7 @@ from .param import FSDPParam, ShardedState
 from .reduce_op import ReducePlan
 from .reduction import GradientReduction
 
-logger = logging.getLogger("fsdp2.param_group")
+logger = logging.getLogger(__name__)
 
 
 class TrainingState(Enum):
@@ -533,7 +533,7 @@ class FSDPParamGroup(GradientReduction):
         logger.debug("post_backward %s", self.module_fqn)
         ran = self._take_use(use)
         self.training_state = TrainingState.POST_BACKWARD
-        # Held gradients wait for a reducing post-backward (see finish_backward_pass).
+        # Held gradients wait for a reducing post-backward (see end_backward).
         self.post_backward_pending = not self.reduce_grads
         if not self.reduce_grads:
             self._hold_unsharded_grads()
@@ -566,7 +566,7 @@ class FSDPParamGroup(GradientReduction):
         self._uses_without_node.clear()
         return ran
 
-    def finish_backward_pass(self, defer_reduction: bool = False) -> None:
+    def end_backward(self, defer_reduction: bool = False) -> None:
         """Autograd finished a backward: run the post-backward it did not reach.
 
         Groups whose post-backward did not run (inputs that needed no grad,
@@ -582,7 +582,7 @@ class FSDPParamGroup(GradientReduction):
         self.wait_for_grad_offload()
         self.training_state = TrainingState.IDLE
 
-    def finalize(self) -> None:
+    def finalize_backward(self) -> None:
         """``finalize_backward``: reduce held gradients now (pending), else reshard if asked."""
         if self.post_backward_pending:
             self.post_backward()
@@ -590,7 +590,7 @@ class FSDPParamGroup(GradientReduction):
             self.reshard()
         self.training_state = TrainingState.IDLE
 
-    def finish_iteration(self) -> None:
+    def end_step(self) -> None:
         """After the last backward of a step: wait for offloads, clear the backward bookkeeping.
 
         All-gathers prefetched for a use that never came are dropped.

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like
 
-logger = logging.getLogger("fsdp2.checkpoint")
+logger = logging.getLogger(__name__)
 
 _executor: ThreadPoolExecutor | None = None
 _in_flight: SaveFuture | None = None

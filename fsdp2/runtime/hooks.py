@@ -77,15 +77,15 @@ from .._torch_compat import (
     tree_unflatten,
 )
 from ..api import MixedPrecisionPolicy
-from ..checks.divergence import check_same_model
-from ..checks.shared_params import check_shared_params
 from .comm_memory import check_max_input_buffers
+from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
-from .nested import map_tensors, tensors_in
 from .param_group import FSDPParamGroup, IterContext, TrainingState
+from .shared_params import check_shared_params
+from .tensor_tree import map_tensors, tensors_in
 
-logger = logging.getLogger("fsdp2.state")
+logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_fsdp2_state"
 
@@ -365,7 +365,7 @@ class FSDPState:
             ctx.callback_queued = True
             if ctx.manual_active is None:
                 ctx.manual_active = ctx.manual_finalization
-            queue_backward_callback(ctx.root._final_callback)
+            queue_backward_callback(ctx.root._end_backward)
         group = self.param_group
         explicit = self.backward_prefetch
         if group is not None and not group.pre_backward(default_prefetch=not explicit):
@@ -374,7 +374,7 @@ class FSDPState:
             target.prefetch(in_backward=True)
         return None
 
-    def _final_callback(self) -> None:
+    def _end_backward(self) -> None:
         """After the whole backward: reduce what is left and, after the last one, end the step."""
         ctx = self.root_ctx
         manual = bool(ctx.manual_active)
@@ -383,16 +383,16 @@ class FSDPState:
         for state in ctx.all_states:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
-                state.param_group.finish_backward_pass(defer_reduction=manual)
+                state.param_group.end_backward(defer_reduction=manual)
         if ctx.is_last_backward and not manual:
-            self._end_iteration()
+            self._end_step()
         ctx.callback_queued = False
 
-    def _end_iteration(self) -> None:
+    def _end_step(self) -> None:
         ctx = self.root_ctx
         for state in ctx.all_states:
             if state.param_group is not None:
-                state.param_group.finish_iteration()
+                state.param_group.end_step()
         ctx.iter_ctx.post_forward_order.clear()
         ctx.manual_active = None
 
@@ -428,9 +428,9 @@ class FSDPState:
         logger.debug("finalize_backward %s", type(self.modules[0]).__name__)
         for state in reversed(ctx.all_states):  # as autograd would reach them
             if state.param_group is not None:
-                state.param_group.finalize()
+                state.param_group.finalize_backward()
         if wait:
-            self._end_iteration()
+            self._end_step()
             return None
         ctx.pending_reduction = token = object()
         return token
@@ -443,7 +443,7 @@ class FSDPState:
                 "This gradient reduction handle was invalidated\n"
                 "reset_iter_state() ran after finalize_backward(async_op=True) returned it"
             )
-        self._end_iteration()
+        self._end_step()
         ctx.pending_reduction = None
 
     def _check_can_finalize(self, require_manual: bool) -> None:

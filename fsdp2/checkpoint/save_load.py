@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint_async import background_group, stage, submit, wait_pending
-from .checkpoint_dir import (
+from .async_save import background_group, stage, submit, wait_pending
+from .step_dirs import (
     METADATA,
     agree,
     commit,
@@ -180,7 +180,7 @@ def load_checkpoint(
         model_sd = {k: v for k, v in model_sd.items() if f"model.{k}" in saved}
     state: dict[str, Any] = {"model": model_sd}
     if extra:
-        state["extra"] = {k: _state_of(v) for k, v in extra.items()}
+        state["extra"] = {k: _unpacked_stateful(v) for k, v in extra.items()}
         problems += _compare("extra", state["extra"], saved, strict=True, unexpected=False)
     fresh = optim is not None and not optim.state
     try:
@@ -231,7 +231,7 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer | None, extra: dict | 
     if optim is not None:
         state["optim"] = get_optimizer_state_dict(model, optim)
     if extra:
-        state["extra"] = {k: _state_of(v) for k, v in extra.items()}
+        state["extra"] = {k: _unpacked_stateful(v) for k, v in extra.items()}
     return state
 
 
@@ -276,7 +276,7 @@ def _is_stateful(value: Any) -> bool:
     )
 
 
-def _state_of(value: Any) -> Any:
+def _unpacked_stateful(value: Any) -> Any:
     # DCP only unpacks Stateful objects at the top level; nested ones would be
     # pickled whole (an LR scheduler with its lambdas cannot be).
     return value.state_dict() if _is_stateful(value) else value

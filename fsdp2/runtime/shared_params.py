@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
-from ..runtime.param import ORIG_UID_ATTR, FSDPParam
+from .param import ORIG_UID_ATTR, FSDPParam
 
 if TYPE_CHECKING:
-    from ..runtime.state import FSDPState
+    from .hooks import FSDPState
 
 
 def check_shared_params(

@@ -70,9 +70,9 @@ from typing import Any
 import torch.distributed as dist
 
 from .._torch_compat import default_store, fake_tensors_active
-from ..runtime.param_group import FSDPParamGroup
+from .param_group import FSDPParamGroup
 
-logger = logging.getLogger("fsdp2.divergence")
+logger = logging.getLogger(__name__)
 
 _FAILED = "!"  # the reference's ``ref`` when its own lazy init failed (hashes are hex)
 _KEYS = ("ref", "bad", "failed", "who", "arrived", "abort", "done",

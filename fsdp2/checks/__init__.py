@@ -1,1 +1,0 @@
-"""Lazy-init checks: shared parameters across groups, models that differ across ranks."""
