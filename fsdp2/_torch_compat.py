@@ -4,10 +4,13 @@ Each helper names the private symbol it wraps and the torch versions it was
 checked on. If a future torch release moves one of these, this is the only
 file that changes.
 
-torch 2.11 (the GPU machine's): audited by reading, not yet run. Every symbol
-below predates 2.11 (the newest are ``DeviceMesh._concatenate``, symmetric
-memory's ``set_backend`` / ``get_mem_pool`` and ``torch.cuda.use_mem_pool``,
-all 2.9) or is looked up with a fallback (``Backend.supports_tensor_alloc``,
+Checked on torch 2.11, 2.13, 2.14 and 2.15, each range below ending at 2.15:
+2.13 and 2.15 run the whole suite in CI; ``tests/test_torch_compat.py``
+looks up every private symbol named here (run on 2.13, 2.14 and 2.15); 2.11
+(the GPU machine's) was audited by reading. Every symbol below predates 2.11
+(the newest are ``DeviceMesh._concatenate``, symmetric memory's
+``set_backend`` / ``get_mem_pool`` and ``torch.cuda.use_mem_pool``, all 2.9)
+or is looked up with a fallback (``Backend.supports_tensor_alloc``,
 ``DeviceMesh._concatenate``); the public collectives fall back from
 ``all_gather_single`` / ``reduce_scatter_single`` (2.13) to
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``. What 2.11 lacks is
@@ -28,14 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-# Checked on torch 2.6 - 2.13.
+# Checked on torch 2.6 - 2.15.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     """Point ``dtensor`` at a new local tensor without changing its metadata.
 
-    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.13). Used to keep sharded
+    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.15). Used to keep sharded
     parameters as views of one group buffer after ``nn.Module._apply`` or
     ``load_state_dict(assign=True)`` replaced their local tensors.
     """
@@ -47,7 +50,7 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
 
     ``DTensor.to_local()`` is public but goes through an autograd function and
     costs tens of microseconds; hooks read this on every step.
-    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.13).
+    Wraps ``DTensor._local_tensor`` (torch 2.4 - 2.15).
     """
     return dtensor._local_tensor
 
@@ -58,7 +61,7 @@ def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     ``DTensor.from_local`` does the same through an autograd function and a
     spec rebuild (tens of microseconds); gradients are built every step.
     Wraps ``DTensor(local, spec, requires_grad=...)`` and ``DTensor._spec``
-    (torch 2.4 - 2.13).
+    (torch 2.4 - 2.15).
     """
     return DTensor(local, template._spec, requires_grad=False)
 
@@ -70,7 +73,7 @@ def dtensor_parameter(template: DTensor, local: torch.Tensor, requires_grad: boo
     the detached copy no longer holds ``local``; ``to_empty`` builds one per
     parameter. Wraps ``DTensor(local, spec, requires_grad=...)``,
     ``DTensor._spec`` and the ``_is_param`` flag ``nn.Parameter`` sets on
-    tensor subclasses (torch 2.4 - 2.13).
+    tensor subclasses (torch 2.4 - 2.15).
     """
     param = DTensor(local, template._spec, requires_grad=requires_grad)
     param._is_param = True
@@ -83,7 +86,7 @@ def mark_composable_api(module: nn.Module, api: str = "fully_shard") -> None:
     torch's own composable APIs read it: ``replicate()`` leaves the parameters
     of modules marked ``fully_shard`` to FSDP (and refuses to wrap such a
     module itself). Wraps ``torch.distributed._composable.contract.REGISTRY_KEY``
-    and ``RegistryItem`` (torch 2.2 - 2.13).
+    and ``RegistryItem`` (torch 2.2 - 2.15).
     """
     from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
@@ -94,7 +97,7 @@ def mark_composable_api(module: nn.Module, api: str = "fully_shard") -> None:
 def composable_apis(module: nn.Module) -> tuple[str, ...]:
     """Names of torch composable APIs applied to ``module`` (e.g. ``"replicate"``).
 
-    Reads ``torch.distributed._composable.contract._get_registry`` (torch 2.2 - 2.13).
+    Reads ``torch.distributed._composable.contract._get_registry`` (torch 2.2 - 2.15).
     """
     from torch.distributed._composable.contract import _get_registry
 
@@ -114,7 +117,7 @@ def outside_functorch(fn: _F) -> _F:
     forward then uses like any other parameter. One C call when no transform
     is active (these run on every hook). Wraps
     ``torch._C._are_functorch_transforms_active`` and
-    ``torch._C._DisableFuncTorch`` (torch 2.0 - 2.13).
+    ``torch._C._DisableFuncTorch`` (torch 2.0 - 2.15).
     """
     active, disabled = torch._C._are_functorch_transforms_active, torch._C._DisableFuncTorch
 
@@ -136,7 +139,7 @@ def set_requires_grad(tensor: torch.Tensor, requires_grad: bool) -> None:
     tensors made with the transform switched off (``outside_functorch``) and
     follow their sharded parameter's flag. Wraps
     ``torch._functorch.eager_transforms.enable_inplace_requires_grad``
-    (torch 2.0 - 2.13).
+    (torch 2.0 - 2.15).
     """
     if torch._C._are_functorch_transforms_active():
         from torch._functorch.eager_transforms import enable_inplace_requires_grad
@@ -149,14 +152,14 @@ def set_requires_grad(tensor: torch.Tensor, requires_grad: bool) -> None:
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform is running; wraps
-    ``torch._C._are_functorch_transforms_active`` (torch 2.0 - 2.13)."""
+    ``torch._C._are_functorch_transforms_active`` (torch 2.0 - 2.15)."""
     return torch._C._are_functorch_transforms_active()
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current autograd backward pass finishes.
 
-    Wraps ``Variable._execution_engine.queue_callback`` (torch 1.x - 2.13);
+    Wraps ``Variable._execution_engine.queue_callback`` (torch 1.x - 2.15);
     must be called from inside a backward pass (e.g. a tensor hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -165,7 +168,7 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def in_backward() -> bool:
     """Whether the autograd engine is executing a backward pass on this thread.
 
-    Wraps ``torch._C._current_graph_task_id`` (torch 2.0 - 2.13). Used to tell
+    Wraps ``torch._C._current_graph_task_id`` (torch 2.0 - 2.15). Used to tell
     an activation-checkpointing recompute (forward inside backward) apart from
     a real forward.
     """
@@ -177,51 +180,41 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
 
     ``out`` has shape ``(num_chunks, sum of padded chunk numels)``; chunk ``r``
     of every tensor lands in row ``r`` with zero padding. One kernel for the
-    whole reduce-scatter copy-in. Wraps ``torch._chunk_cat`` (torch 2.4 - 2.13).
+    whole reduce-scatter copy-in. Wraps ``torch._chunk_cat`` (torch 2.4 - 2.15).
     """
     torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
 
 
-def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Batched ``dst[i].copy_(src[i])``; wraps ``torch._foreach_copy_`` (2.1 - 2.13)."""
-    torch._foreach_copy_(dst, src)
 
 
-def foreach_add(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Batched ``dst[i].add_(src[i])``; wraps ``torch._foreach_add_`` (2.0 - 2.13)."""
-    torch._foreach_add_(dst, src)
 
 
 def foreach_mul(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
-    """Batched ``t.mul_(scalar)``; wraps ``torch._foreach_mul_`` (2.0 - 2.13)."""
+    """Batched ``t.mul_(scalar)``; wraps ``torch._foreach_mul_`` (2.0 - 2.15)."""
     torch._foreach_mul_(tensors, scalar)
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    """Batched ``torch.linalg.vector_norm(t, ord)``; wraps ``torch._foreach_norm`` (2.0 - 2.13)."""
+    """Batched ``torch.linalg.vector_norm(t, ord)``; wraps ``torch._foreach_norm`` (2.0 - 2.15)."""
     return list(torch._foreach_norm(tensors, ord))
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tensor], Any]]:
     """Hooks registered with ``param.register_post_accumulate_grad_hook``, in order.
 
-    Reads ``Tensor._post_accumulate_grad_hooks`` (torch 2.1 - 2.13; ``None``
+    Reads ``Tensor._post_accumulate_grad_hooks`` (torch 2.1 - 2.15; ``None``
     until a hook is registered).
     """
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
 
 
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """The tensor leaves of a nested container, in flatten order."""
-    leaves, _ = tree_flatten(tree)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are the dims of ``meshes`` (sub-meshes of one root), in order.
 
-    Wraps ``DeviceMesh._concatenate`` (torch 2.9 - 2.13); older versions slice
+    Wraps ``DeviceMesh._concatenate`` (torch 2.9 - 2.15); older versions slice
     the root mesh (``DeviceMesh._get_root_mesh``) by the dims' names.
     """
     concat = getattr(DeviceMesh, "_concatenate", None)
@@ -235,7 +228,7 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
     """FSDP's shard of a tensor dim that tensor parallelism already split ``split_factor`` ways.
 
     Wraps ``torch.distributed.tensor.placement_types._StridedShard`` (torch
-    2.5 - 2.13): the FSDP shard is taken within each TP shard, so
+    2.5 - 2.15): the FSDP shard is taken within each TP shard, so
     ``full_tensor()`` must undo TP's split first.
     """
     return _StridedShard(dim, split_factor=split_factor)
@@ -245,7 +238,7 @@ def strided_split_factor(placement: Placement) -> int | None:
     """The ``split_factor`` of a strided shard (see ``strided_shard``); ``None`` for any other.
 
     Wraps ``isinstance(placement, _StridedShard)`` and ``_StridedShard.split_factor``
-    (torch 2.5 - 2.13). Older releases make it a subclass of ``Shard``, 2.13
+    (torch 2.5 - 2.15). Older releases make it a subclass of ``Shard``, 2.13
     does not: ask this before ``isinstance(placement, Shard)``. Older releases
     also accept only even splits, where their layout and 2.13's agree.
     """
@@ -257,52 +250,18 @@ def strided_split_factor(placement: Placement) -> int | None:
 def dispatch_mode_base() -> type:
     """``TorchDispatchMode``, the base class of modes that see every aten op.
 
-    Only the tests use it (to count live tensor bytes). Wraps
-    ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 2.0 - 2.13).
+    The planner's tracker and the tests use it (to count ops and live bytes). Wraps
+    ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 2.0 - 2.15).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
 
 
-class ThreadedWorld:
-    """torch's threaded process group: ranks as threads of this process.
-
-    Only the tests use it (upstream's own tests run FSDP this way, and so do
-    many users' unit tests). Between ``install()`` and ``uninstall()``, each
-    thread that calls ``init_process_group("threaded", rank=..., world_size=...,
-    store=...)`` joins one world as that rank, with process-group state of
-    its own. ``abort()`` wakes every thread blocked in a collective (they
-    raise ``SystemExit``). Wraps ``torch.testing._internal.distributed.
-    multi_threaded_pg`` (``_install_threaded_pg``, ``_uninstall_threaded_pg``,
-    ``ProcessLocalGroup.exception_handle`` / ``reset``) and
-    ``torch._C._distributed_c10d._set_thread_isolation_mode`` (torch 2.13).
-    """
-
-    def __init__(self) -> None:
-        from torch.testing._internal.distributed import multi_threaded_pg
-
-        self._mt = multi_threaded_pg
-
-    def install(self) -> None:
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        self._mt._install_threaded_pg()
-
-    def abort(self, exc: BaseException) -> None:
-        self._mt.ProcessLocalGroup.exception_handle(exc)
-
-    def uninstall(self) -> None:
-        try:
-            self._mt.ProcessLocalGroup.reset()
-            self._mt._uninstall_threaded_pg()
-        finally:
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
-
-
 def premul_sum_op(scale: float) -> Any:
     """A reduce op that multiplies every input by ``scale`` and sums (NCCL only).
 
-    Wraps ``torch.distributed._make_nccl_premul_sum`` (torch 1.13 - 2.13).
+    Wraps ``torch.distributed._make_nccl_premul_sum`` (torch 1.13 - 2.15).
     """
     import torch.distributed as dist
 
@@ -313,7 +272,7 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over all of ``mesh``'s dims (one process group per flattened row).
 
     Creating it is collective over the ranks of the root mesh, like any mesh
-    slicing that makes groups. Wraps ``DeviceMesh._flatten`` (torch 2.6 - 2.13).
+    slicing that makes groups. Wraps ``DeviceMesh._flatten`` (torch 2.6 - 2.15).
     """
     return mesh._flatten(name)
 
@@ -322,8 +281,8 @@ def process_group_allocates(group: Any, device: torch.device) -> bool:
     """Whether ``group``'s backend allocates communication buffers on ``device`` itself.
 
     NCCL does (``ncclMemAlloc``: zero-copy and SHARP-capable buffers); gloo
-    does not. Wraps ``ProcessGroup._get_backend`` (torch 2.6 - 2.13) and
-    ``Backend.supports_tensor_alloc`` (torch 2.8 - 2.13; older: ``False``).
+    does not. Wraps ``ProcessGroup._get_backend`` (torch 2.6 - 2.15) and
+    ``Backend.supports_tensor_alloc`` (torch 2.8 - 2.15; older: ``False``).
     """
     try:
         backend = group._get_backend(device)
@@ -339,7 +298,7 @@ def process_group_allocate(
     """A flat tensor allocated by ``group``'s backend (see ``process_group_allocates``).
 
     Wraps ``ProcessGroup._get_backend`` and ``Backend.allocate_tensor``
-    (torch 2.8 - 2.13).
+    (torch 2.8 - 2.15).
     """
     return group._get_backend(device).allocate_tensor(numel, dtype=dtype, device=device)
 
@@ -349,7 +308,7 @@ def set_symm_mem_backend(backend: str) -> None:
 
     Raises ``RuntimeError`` ("SymmetricMemory does not find allocation backend
     ...") where torch was built without it, e.g. every CPU-only build.
-    Wraps ``torch.distributed._symmetric_memory.set_backend`` (torch 2.9 - 2.13).
+    Wraps ``torch.distributed._symmetric_memory.set_backend`` (torch 2.9 - 2.15).
     """
     from torch.distributed import _symmetric_memory
 
@@ -360,7 +319,7 @@ def symm_mem_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     """A flat tensor in symmetric memory, from torch's per-device symmetric pool (CUDA).
 
     Wraps ``torch.distributed._symmetric_memory.get_mem_pool`` and
-    ``torch.cuda.use_mem_pool`` (torch 2.9 - 2.13).
+    ``torch.cuda.use_mem_pool`` (torch 2.9 - 2.15).
     """
     from torch.distributed import _symmetric_memory
 
@@ -371,7 +330,7 @@ def symm_mem_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torc
 def symm_mem_rendezvous(tensor: torch.Tensor, group: Any) -> None:
     """Exchange ``tensor``'s symmetric-memory handles over ``group`` (collective).
 
-    Wraps ``torch.distributed._symmetric_memory.rendezvous`` (torch 2.9 - 2.13).
+    Wraps ``torch.distributed._symmetric_memory.rendezvous`` (torch 2.9 - 2.15).
     """
     from torch.distributed import _symmetric_memory
 
@@ -383,7 +342,7 @@ def after_stage_metadata_inference(stage_cls: type, fn: Callable[[Any], None]) -
 
     torch 2.13's ``PipelineStage`` infers shapes on the first step by running
     one real forward and backward, then cleans up upstream's FSDP modules in
-    ``_PipelineStageBase._post_metadata_inference_cleanup`` (torch 2.13; absent
+    ``PipelineStage._post_metadata_inference_cleanup`` (torch 2.13 - 2.15; absent
     before, where nothing is inferred this way and ``fn`` is never needed).
     """
     name = "_post_metadata_inference_cleanup"
@@ -408,7 +367,7 @@ def run_module_wrap_policy(
     ``_run_policy(root, ignored_modules, root_kwargs)`` with ``{module:
     kwargs}``; ``None`` for any other policy (the plain callables, which
     ``shard_model`` walks itself). Wraps ``_Policy`` and ``_Policy._run_policy``
-    (torch 2.1 - 2.13).
+    (torch 2.1 - 2.15).
     """
     from torch.distributed.fsdp.wrap import _Policy
 
@@ -422,7 +381,7 @@ def fake_tensor_mode() -> Any:
 
     Only the planner (``fsdp2.plan``) uses it, to run a training step of any
     size without memory. Wraps ``torch._subclasses.fake_tensor.FakeTensorMode``
-    (torch 2.1 - 2.13).
+    (torch 2.1 - 2.15).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -435,7 +394,7 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     Its collectives return at once and move nothing (outputs keep whatever
     they held); only the planner and the benchmarks use it. Wraps
     ``torch.testing._internal.distributed.fake_pg.FakeStore`` and the
-    ``"fake"`` backend it registers (torch 2.2 - 2.13).
+    ``"fake"`` backend it registers (torch 2.2 - 2.15).
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -447,7 +406,7 @@ def fake_tensors_active() -> bool:
     """Whether tensors made now are fake (a ``FakeTensorMode`` is active, or tracing uses one).
 
     Such tensors have no data to compare or move (``fsdp2.plan``, memory
-    trackers, tracing). Wraps ``torch._guards.detect_fake_mode`` (torch 2.1 - 2.13).
+    trackers, tracing). Wraps ``torch._guards.detect_fake_mode`` (torch 2.1 - 2.15).
     """
     from torch._guards import detect_fake_mode
 

@@ -133,9 +133,7 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _from_upstream(policy: object) -> object:
     """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
-    from .integrations.patch import unpatched  # torch's classes even under patch_torch()
-
-    if isinstance(policy, unpatched("MixedPrecisionPolicy")):
+    if _is_upstream(policy, "MixedPrecisionPolicy"):
         return MixedPrecisionPolicy(
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,
@@ -143,14 +141,25 @@ def _from_upstream(policy: object) -> object:
             cast_forward_inputs=policy.cast_forward_inputs,
             param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
         )
-    if isinstance(policy, unpatched("CPUOffloadPolicy")):
+    if _is_upstream(policy, "CPUOffloadPolicy"):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    if isinstance(policy, unpatched("OffloadPolicy")):
+    if _is_upstream(policy, "OffloadPolicy"):
         return OffloadPolicy()
-    upstream_dims = unpatched("DataParallelMeshDims")  # None before torch 2.12
-    if upstream_dims is not None and isinstance(policy, upstream_dims):
+    if _is_upstream(policy, "DataParallelMeshDims"):  # torch 2.12 and later
         return DataParallelMeshDims(shard=policy.shard, replicate=policy.replicate)
     return policy
+
+
+def _is_upstream(obj: object, name: str) -> bool:
+    """Whether ``obj`` is an instance of torch.distributed.fsdp's class ``name``.
+
+    Decided by the classes' defining modules, not by looking the name up in
+    ``torch.distributed.fsdp``: ``patch_torch()`` points that name at ours.
+    """
+    return any(
+        cls.__name__ == name and cls.__module__.startswith("torch.distributed.fsdp")
+        for cls in type(obj).__mro__
+    )
 
 
 def resolve_dp_mesh_dims(dims: object) -> DataParallelMeshDims:

@@ -28,7 +28,40 @@ import torch
 import torch.distributed as dist
 from _multiproc import DEFAULT_TIMEOUT_S, RankError
 
-from fsdp2._torch_compat import ThreadedWorld
+
+class _ThreadedWorld:
+    """torch's threaded process group: ranks as threads of this process.
+
+    Upstream's own tests run FSDP this way, and so do many users' unit
+    tests. Between ``install()`` and ``uninstall()``, each
+    thread that calls ``init_process_group("threaded", rank=..., world_size=...,
+    store=...)`` joins one world as that rank, with process-group state of
+    its own. ``abort()`` wakes every thread blocked in a collective (they
+    raise ``SystemExit``). Wraps ``torch.testing._internal.distributed.
+    multi_threaded_pg`` (``_install_threaded_pg``, ``_uninstall_threaded_pg``,
+    ``ProcessLocalGroup.exception_handle`` / ``reset``) and
+    ``torch._C._distributed_c10d._set_thread_isolation_mode`` (torch 2.13, 2.15).
+    """
+
+    def __init__(self) -> None:
+        from torch.testing._internal.distributed import multi_threaded_pg
+
+        self._mt = multi_threaded_pg
+
+    def install(self) -> None:
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        self._mt._install_threaded_pg()
+
+    def abort(self, exc: BaseException) -> None:
+        self._mt.ProcessLocalGroup.exception_handle(exc)
+
+    def uninstall(self) -> None:
+        try:
+            self._mt.ProcessLocalGroup.reset()
+            self._mt._uninstall_threaded_pg()
+        finally:
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
 
 # After an abort, how long stopped ranks get to unwind before being reported as stuck.
 _GRACE_S = 5.0
@@ -42,7 +75,7 @@ def run_threads(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` thread ranks; return their results."""
     __tracebackhide__ = True
-    world = ThreadedWorld()
+    world = _ThreadedWorld()
     store = dist.HashStore()
     results: list[Any] = [None] * world_size
     errors: dict[int, str] = {}

@@ -8,10 +8,12 @@ these tests check that the API also works on upstream ``fully_shard`` models.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from _impl import fully_shard
 from _multiproc import run_ranks
 from checks import (
@@ -44,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp2 import get_full_state_dict, set_full_state_dict
-from fsdp2._torch_compat import dispatch_mode_base, local_tensor, strided_shard, tensor_leaves
+from fsdp2._torch_compat import dispatch_mode_base, local_tensor, strided_shard
 
 # ---------------------------------------------------------------- round trips
 
@@ -234,7 +236,7 @@ class _LiveBytes(dispatch_mode_base()):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor unwraps; the plain ops on shards come back here
         out = func(*args, **(kwargs or {}))
-        for t in tensor_leaves((args, kwargs, out)):
+        for t in _tensor_leaves((args, kwargs, out)):
             self._see(t)
         return out
 
@@ -360,3 +362,8 @@ def _bad_input_body(rank, world_size):
 def test_set_full_state_dict_rejects_bad_input_on_every_rank():
     """Missing/unexpected keys, wrong shapes, another model, bad optimizer state: same error everywhere, nothing written."""
     run_ranks(_bad_input_body, 2)
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = pytree.tree_flatten(tree)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]

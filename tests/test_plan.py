@@ -29,7 +29,7 @@ from _multiproc import run_ranks
 pytest.importorskip("transformers")
 
 from fsdp2.plan import PlanConfig, plan, search  # noqa: E402
-from fsdp2.plan import models as plan_models  # noqa: E402
+from fsdp2.plan import workload  # noqa: E402
 from fsdp2.plan.cost import get_device  # noqa: E402
 from fsdp2.plan.simulate import _make_optimizer, shard_model  # noqa: E402
 
@@ -77,8 +77,8 @@ def _config(name: str, world_size: int) -> PlanConfig:
 
 def _train_step(model, optim, i: int) -> None:
     torch.manual_seed(100 + i)
-    inputs, targets = plan_models.token_inputs(model, BATCH, SEQ)
-    plan_models.lm_loss(model(*inputs), targets).backward()
+    inputs, targets = workload.token_inputs(model, BATCH, SEQ)
+    workload.lm_loss(model(*inputs), targets).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
 
@@ -94,7 +94,7 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict:
         cfg = _config(name, world_size)
         with instruments.LiveBytes() as live:
             torch.manual_seed(0)
-            model = plan_models.build_model(cfg.hf_config, cfg.model, torch.float32)
+            model = workload.build_model(cfg.hf_config, cfg.model, torch.float32)
             shard_model(cfg, model, init_device_mesh("cpu", (world_size,)), None)
             optim = _make_optimizer(cfg, model)
             for i in range(2):
@@ -123,10 +123,10 @@ def _fsdp_mem_tracker_peak(world_size: int) -> int:
     batches = []
     for i in range(3):
         torch.manual_seed(100 + i)
-        batches.append(plan_models.token_inputs(model, BATCH, SEQ))
+        batches.append(workload.token_inputs(model, BATCH, SEQ))
 
     def step(inputs, targets) -> None:
-        plan_models.lm_loss(model(*inputs), targets).backward()
+        workload.lm_loss(model(*inputs), targets).backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
 

@@ -22,7 +22,7 @@ from types import ModuleType, TracebackType
 
 from ..versions import PIPELINING_USES_PUBLIC_FSDP_API
 
-__all__ = ["PATCHED_MODULES", "PATCHED_NAMES", "TorchPatch", "patch_torch", "unpatched"]
+__all__ = ["PATCHED_MODULES", "PATCHED_NAMES", "TorchPatch", "patch_torch"]
 
 #: The public names of upstream's FSDP2 API that fsdp2 provides.
 PATCHED_NAMES: tuple[str, ...] = (
@@ -57,22 +57,13 @@ _originals: dict[tuple[ModuleType, str], object] = {}
 _active = 0
 
 
-def unpatched(name: str) -> object:
-    """``torch.distributed.fsdp.<name>`` as torch defines it, even while patched.
-
-    fsdp2 itself uses this to recognise upstream's policy objects. ``None`` where
-    this torch lacks the name (``DataParallelMeshDims`` is new in torch 2.12).
-    """
-    from torch.distributed import fsdp
-
-    with _lock:
-        return _originals.get((fsdp, name), getattr(fsdp, name, None))
-
-
 def _replacements() -> dict[str, object]:
-    import fsdp2
+    from .. import api, handles, module
+    from ..fully_shard import fully_shard
 
-    return {name: getattr(fsdp2, name) for name in PATCHED_NAMES}
+    homes = (module, api, handles)
+    found = {name: getattr(m, name) for m in homes for name in PATCHED_NAMES if hasattr(m, name)}
+    return {"fully_shard": fully_shard, **found}
 
 
 #: torch's pipelining modules, which bind ``FSDPModule`` at import and, from torch

@@ -159,7 +159,8 @@ def _make_mesh(shape: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh | None]:
 
 def _fully_shard_fn(implementation: str):
     if implementation == "fsdp2":
-        from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy
+        from fsdp2.fully_shard import fully_shard
     else:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     return fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
@@ -181,7 +182,7 @@ def _make_optimizer(cfg: PlanConfig, model: nn.Module) -> torch.optim.Optimizer:
     else:
         optim = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if cfg.implementation == "fsdp2":
-        from fsdp2 import enable_local_shard_step
+        from fsdp2.optim.local_shard_step import enable_local_shard_step
 
         enable_local_shard_step(optim)  # same state and updates; much faster to simulate
     return optim

@@ -204,13 +204,13 @@ class FSDPState:
             self._input_device = next(iter(devices))
         try:
             local_error = None
+            groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
             try:
-                check_shared_params(root_module, ctx.all_states, module_fqns)
+                check_shared_params(root_module, groups, module_fqns)
                 for state in ctx.all_states:
                     state._lazy_init_group(module_fqns, ctx)
             except Exception as e:  # raised on every rank below; see [Note: Divergence check ...]
                 local_error = e
-            groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
             check_same_model(type(root_module).__name__, groups, local_error)
         except BaseException:
             for state in ctx.all_states:

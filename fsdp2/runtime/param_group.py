@@ -290,10 +290,6 @@ class FSDPParamGroup(GradientReduction):
     # ---- unshard / reshard --------------------------------------------------
 
     @property
-    def is_unsharded(self) -> bool:
-        return self._is_unsharded
-
-    @property
     def holds_gathered(self) -> bool:
         """Unsharded, or an all-gather in flight, or some parameter not back on its shard."""
         return (

@@ -32,34 +32,32 @@ import torch.nn as nn
 from .param import ORIG_UID_ATTR, FSDPParam
 
 if TYPE_CHECKING:
-    from .hooks import FSDPState
+    from .param_group import FSDPParamGroup
 
 
 def check_shared_params(
-    root: nn.Module, states: list[FSDPState], module_fqns: dict[nn.Module, str]
+    root: nn.Module, groups: list[FSDPParamGroup], module_fqns: dict[nn.Module, str]
 ) -> None:
     """``ValueError`` if a parameter under ``root`` is in two groups or held outside its group.
 
     See [Note: A parameter belongs to one group].
     """
-    by_uid: dict[int, tuple[FSDPParam, FSDPState]] = {}
+    by_uid: dict[int, tuple[FSDPParam, FSDPParamGroup]] = {}
     by_object: dict[int, FSDPParam] = {}  # id of a sharded/unsharded parameter -> its FSDPParam
     holders: set[tuple[int, str]] = set()
-    for state in states:
-        if state.param_group is None:
-            continue
-        for p in state.param_group.fsdp_params:
+    for group in groups:
+        for p in group.fsdp_params:
             first = by_uid.get(p.orig_uid)
             if first is not None:
-                other, other_state = first
+                other, other_group = first
                 raise ValueError(
                     _upstream_message(_fqn(p, module_fqns))
                     + f"\n'{_fqn(p, module_fqns)}' and '{_fqn(other, module_fqns)}' are one "
                     f"parameter, sharded by two fully_shard calls (on "
-                    f"{_modules(state, module_fqns)} and on {_modules(other_state, module_fqns)}); "
+                    f"{_modules(group, module_fqns)} and on {_modules(other_group, module_fqns)}); "
                     "shard all modules that hold it in one call."
                 )
-            by_uid[p.orig_uid] = (p, state)
+            by_uid[p.orig_uid] = (p, group)
             by_object[id(p.sharded_param)] = p
             if p.unsharded_param is not None:
                 by_object[id(p.unsharded_param)] = p
@@ -106,6 +104,6 @@ def _fqn(p: FSDPParam, module_fqns: dict[nn.Module, str]) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _modules(state: FSDPState, module_fqns: dict[nn.Module, str]) -> str:
-    names = [f"'{module_fqns[m]}'" if module_fqns.get(m) else "the root" for m in state.modules]
+def _modules(group: FSDPParamGroup, module_fqns: dict[nn.Module, str]) -> str:
+    names = [f"'{module_fqns[m]}'" if module_fqns.get(m) else "the root" for m in group.modules]
     return ", ".join(names)

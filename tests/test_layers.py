@@ -1,0 +1,116 @@
+"""fsdp2's packages import only downward, in the order ``docs/design.md`` declares.
+
+Every import in the package counts: at module level, inside functions and
+under ``TYPE_CHECKING``. A module may import modules of its own unit (a
+package such as ``runtime/``, or a single top-level module) and of units in
+lower layers, never a unit beside it or above it. ``test_planted_upward_import``
+shows the walk catches an edge as soon as one appears.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
+
+# Top to bottom; a unit is a subpackage or a top-level module of fsdp2.
+LAYERS: list[tuple[str, ...]] = [
+    ("__init__", "pipelining"),  # the public surface: re-exports only
+    ("plan",),  # the planner drives the library as a user would
+    ("checkpoint", "optim", "fsdp1", "integrations"),  # tools on the public surface
+    ("fully_shard",),
+    ("module",),  # FSDPModule, the control surface
+    ("handles",),
+    ("runtime",),  # the per-step engine
+    ("api",),  # policies and plain values
+    ("errors", "versions", "_torch_compat"),  # leaves
+]
+RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """``(line, fsdp2 module)`` for every import of fsdp2 code, wherever it is written."""
+    found = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "fsdp2"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "fsdp2":
+                continue
+            if target == "fsdp2" or not node.module:  # `from . import x`: x is a module
+                found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, target))
+    return found
+
+
+def layer_violations(sources: dict[Path, str]) -> list[str]:
+    problems = []
+    for path, source in sorted(sources.items()):
+        module = _module_name(path)
+        src_unit = _unit(module)
+        assert src_unit in RANK, f"{path}: unit {src_unit!r} is in no layer; add it to LAYERS"
+        for line, target in _imported(ast.parse(source), module, path.name == "__init__.py"):
+            dst_unit = _unit(target)
+            if dst_unit not in RANK:  # `from fsdp2 import name`: the public surface
+                dst_unit = "__init__"
+            if dst_unit == src_unit or RANK[dst_unit] > RANK[src_unit]:
+                continue
+            problems.append(
+                f"{path.relative_to(PACKAGE.parent)}:{line} imports {target} "
+                f"({dst_unit!r} is not below {src_unit!r})"
+            )
+    return problems
+
+
+def _package_sources() -> dict[Path, str]:
+    return {p: p.read_text() for p in PACKAGE.rglob("*.py")}
+
+
+def test_imports_only_point_down() -> None:
+    assert layer_violations(_package_sources()) == []
+
+
+def test_every_unit_is_in_a_layer() -> None:
+    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert units == set(RANK), f"not in LAYERS: {units - set(RANK)}; gone: {set(RANK) - units}"
+
+
+def test_planted_upward_import() -> None:
+    sources = _package_sources()
+    hooks = PACKAGE / "runtime" / "hooks.py"
+    planted = dict(sources)
+    # inside a function and under TYPE_CHECKING count as much as a top-level import
+    planted[hooks] = sources[hooks] + "\n\ndef _late():\n    from ..optim import clip_grad\n"
+    planted[PACKAGE / "api.py"] = sources[PACKAGE / "api.py"] + (
+        "\nif TYPE_CHECKING:\n    from .module import FSDPModule\n"
+    )
+    problems = layer_violations(planted)
+    assert len(problems) == 2, problems
+    assert "fsdp2/runtime/hooks.py" in problems[1] and "imports fsdp2.optim" in problems[1]
+    assert "fsdp2/api.py" in problems[0] and "fsdp2.module" in problems[0]
+
+
+def test_layers_match_design_doc() -> None:
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    for layer in LAYERS:
+        for unit in layer:
+            if unit != "__init__":
+                assert f"`{unit}" in design, f"docs/design.md does not place {unit!r}"
