@@ -48,4 +48,4 @@ __all__ = [
     "shard_model",
     "summon_full_params",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -90,7 +90,7 @@ class DataParallelMeshDims:
     With ``dp_mesh_dims`` the ``mesh`` given to ``fully_shard`` is the whole
     SPMD mesh (data-parallel and e.g. tensor-parallel dims), and every
     parameter is already a ``DTensor`` on it, ``Replicate()`` on the dims named
-    here. See [Note: SPMD meshes] in ``spmd.py``.
+    here. See [Note: SPMD meshes] in ``dp_mesh_dims.py``.
 
     Attributes:
         shard: the dim name(s) FSDP shards parameters over; several names are

@@ -139,7 +139,7 @@ def fully_shard(
             ``Replicate()`` on those dims: FSDP shards over ``shard`` and
             replicates over ``replicate`` (HSDP; DDP when only ``replicate``
             is set). Several names per field are flattened into one dim.
-            See [Note: SPMD meshes] in spmd.py.
+            See [Note: SPMD meshes] in dp_mesh_dims.py.
 
     Returns:
         The same module (or list), now also an instance of :class:`FSDPModule`.
@@ -148,7 +148,7 @@ def fully_shard(
     mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     spmd: SpmdDims | None = None
-    if dp_mesh_dims is not None:  # see [Note: SPMD meshes] in spmd.py
+    if dp_mesh_dims is not None:  # see [Note: SPMD meshes] in dp_mesh_dims.py
         spmd = spmd_dims_for(mesh, resolve_dp_mesh_dims(dp_mesh_dims))
         mesh_info = spmd.mesh_info
         if mesh_info.replicate_only and shard_placement_fn is not None:
@@ -415,7 +415,7 @@ def _validate_param(
                 f"{param.device}\nParameter '{name}' is a DTensor on {param.device} but "
                 f"fully_shard shards on {device}; build its mesh on the current device"
             )
-        # With dp_mesh_dims the DTensor spans the data-parallel dims too (see spmd.py).
+        # With dp_mesh_dims the DTensor spans the data-parallel dims too (see dp_mesh_dims.py).
         if len(param.placements) > 2 and not on_spmd_mesh:
             raise FSDPNotImplementedError(
                 f"FSDP only supports 1D TP/EP or 2D EP+TP, not {param.placements}\n"

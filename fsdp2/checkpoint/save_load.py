@@ -9,10 +9,10 @@ their global offsets, so a checkpoint saved at world size W loads at any W'
 
 These functions are that recipe plus what DCP leaves to its users: saves
 that become visible only once complete (see [Note: Atomic checkpoints] in
-``checkpoint_dir.py``), numbered steps under one root with the newest ``keep``
+``step_dirs.py``), numbered steps under one root with the newest ``keep``
 kept and the newest complete one found again (:func:`load_latest`), saves
 written in the background (see [Note: Asynchronous checkpoints] in
-``checkpoint_async.py``), and the check DCP lacks: before anything is read,
+``async_save.py``), and the check DCP lacks: before anything is read,
 the checkpoint's metadata is compared with the model and optimizer, and
 every missing, unexpected or resized tensor is reported by name in one
 ``ValueError`` (DCP itself ignores tensors the model lacks and stops at the

@@ -28,7 +28,7 @@ then runs inside it too). Two things differ there from a plain forward:
    at the end of backward like any group whose inputs needed no gradient.
 3. Under a reverse-mode transform (``torch.func.grad`` with respect to the
    inputs) the inputs do report ``requires_grad`` and go through
-   ``_PostBackward`` (state.py), which therefore has the ``setup_context``
+   ``_PostBackward`` (hooks.py), which therefore has the ``setup_context``
    form (with vmap and forward-mode rules) that functorch requires.
 """
 

@@ -349,7 +349,7 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.post_forward()
         if torch.is_grad_enabled():
-            # dataclasses too (see nested.py), which pytree does not look into
+            # dataclasses too (see tensor_tree.py), which pytree does not look into
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)

@@ -147,7 +147,7 @@ def input_cast_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor inside it cast to ``dtype``.
 
-    Any nesting ``map_tensors`` walks (see nested.py). Tensors already in
+    Any nesting ``map_tensors`` walks (see tensor_tree.py). Tensors already in
     ``dtype`` and non-floating tensors are returned unchanged (no copy).
     """
 

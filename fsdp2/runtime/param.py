@@ -175,7 +175,7 @@ class FSDPParam:
         self.unsharded_device: torch.device | None = None
         self.state = ShardedState.SHARDED
         self._spmd_mesh = spmd_mesh if spmd_mesh is not None else mesh_info.mesh
-        # dp_mesh_dims: the layout spmd.py chose, and which of the parameter's mesh
+        # dp_mesh_dims: the layout dp_mesh_dims.py chose, and which of the parameter's mesh
         # dims are data parallel (their gradient placements are FSDP's to reduce).
         self._placements = placements if placements is not None else self._sharded_placements()
         self.dp_dims = dp_dims

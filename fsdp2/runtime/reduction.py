@@ -50,7 +50,7 @@ a gradient" means "in any micro-batch since the last reduction".
 A group of several modules (``fully_shard([norm, head])``) may run in parts:
 the chunked-loss pattern calls ``head`` alone once per chunk, with a backward
 each, while the root's forward ran ``norm`` alone (see [Note: Groups run in
-parts] in state.py). Every rank then lacks ``norm``'s gradient in a ``head``
+parts] in hooks.py). Every rank then lacks ``norm``'s gradient in a ``head``
 use, and upstream reduces ``head``'s only. So a rank fills only parameters of
 the group's modules (the ones passed to ``fully_shard``) that ran in the use
 being reduced: the use's set of modules rides on its post-backward node, and
