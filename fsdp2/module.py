@@ -2,8 +2,9 @@
 
 ``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule,
 original class)``, so every method here is available on the module itself.
-The setters only record a choice on the module's FSDP state or parameter
-group; the hooks read it on the next use. Methods taking ``recurse`` apply to
+The setters only record a choice, on the module's FSDP state or through the
+``set_*`` methods of its parameter group and of the group's gradient
+reduction (see group_settings.py); the hooks read it on the next use. Methods taking ``recurse`` apply to
 every FSDP module in the subtree; the others to this module's group only.
 """
 
@@ -164,8 +165,7 @@ class FSDPModule:
         """
         _check_bool(keep, "set_keep_unsharded_storage", "keep")
         for group in self._groups(recurse):
-            for param in group.fsdp_params:
-                param.keep_unsharded_storage = keep
+            group.set_keep_unsharded_storage(keep)
 
     # ---- schedule ---------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class FSDPModule:
         for state in self._states(recurse):
             state.auto_reshard_after_forward = False
             if state.param_group is not None:
-                state.param_group.reshard_after_forward = reshard_after_forward
+                state.param_group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -225,7 +225,7 @@ class FSDPModule:
         _check_bool(reshard_after_backward, "set_reshard_after_backward", "reshard_after_backward")
         _check_bool(recurse, "set_reshard_after_backward", "recurse")
         for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+            group.set_reshard_after_backward(reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward all-gathers this module's parameters (not recursive).
@@ -236,7 +236,7 @@ class FSDPModule:
         _check_bool(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
         group = self._fsdp_state().param_group
         if group is not None:
-            group.unshard_in_backward = unshard_in_backward
+            group.set_unshard_in_backward(unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step (default ``True``).
@@ -279,7 +279,7 @@ class FSDPModule:
         )
         _check_bool(recurse, "set_requires_gradient_sync", "recurse")
         for group in self._groups(recurse):
-            group.reduce_grads = requires_gradient_sync
+            group.reduction.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces gradients over the replicate dim.
@@ -291,7 +291,7 @@ class FSDPModule:
         _check_bool(requires_all_reduce, "set_requires_all_reduce", "requires_all_reduce")
         _check_bool(recurse, "set_requires_all_reduce", "recurse")
         for group in self._groups(recurse):
-            group.all_reduce_grads = requires_all_reduce
+            group.reduction.set_requires_all_reduce(requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the world size (not recursive)."""
@@ -306,7 +306,7 @@ class FSDPModule:
             )
         group = self._fsdp_state().param_group
         if group is not None:
-            group.set_gradient_divide_factor(float(factor))
+            group.reduction.set_gradient_divide_factor(float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated: use :meth:`set_gradient_divide_factor`."""
@@ -325,7 +325,7 @@ class FSDPModule:
         _check_bool(enable, "set_force_sum_reduction_for_comms", "enable")
         group = self._fsdp_state().param_group
         if group is not None:
-            group.set_force_sum_reduction(enable)
+            group.reduction.set_force_sum_reduction(enable)
 
     def set_all_reduce_hook(
         self,
@@ -359,9 +359,8 @@ class FSDPModule:
                     "On a 2-D (replicate, shard) mesh the hook runs after FSDP's own all-reduce, "
                     "on its stream: pass stream=None"
                 )
-            group.all_reduce_hook = hook
-            if stream is not None:  # as upstream: a later call without a stream keeps it
-                group.all_reduce_hook_stream = stream
+            # as upstream: a later call without a stream keeps the one given before
+            group.reduction.set_all_reduce_hook(hook, stream)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -384,7 +383,7 @@ class FSDPModule:
         )
         _check_bool(recurse, "set_reduce_scatter_unused_params", "recurse")
         for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+            group.reduction.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -407,7 +406,7 @@ class FSDPModule:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         _check_bool(recurse, "set_reduce_scatter_max_input_buffers", "recurse")
         for group in self._groups(recurse):
-            group.reduce_scatter_max_input_buffers = max_input_buffers
+            group.reduction.set_reduce_scatter_max_input_buffers(max_input_buffers)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -424,7 +423,7 @@ class FSDPModule:
         _check_bool(recurse, "set_separate_reduce_scatter_group", "recurse")
         new_groups: dict = {}
         for group in self._groups(recurse):
-            group.set_separate_reduce_scatter_group(enable, new_groups)
+            group.reduction.set_separate_reduce_scatter_group(enable, new_groups)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this module's collective buffers with the process group's allocator.
@@ -468,7 +467,7 @@ class FSDPModule:
         check_comm(comm, "set_custom_all_gather")
         group = self._fsdp_state().param_group
         if group is not None:
-            group.all_gather_comm = comm
+            group.set_all_gather_comm(comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this module's gradient reduce-scatters through ``comm``.
@@ -480,7 +479,7 @@ class FSDPModule:
         check_comm(comm, "set_custom_reduce_scatter")
         group = self._fsdp_state().param_group
         if group is not None:
-            group.reduce_scatter_comm = comm
+            group.reduction.set_reduce_scatter_comm(comm)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to() and friends replace local tensors, module by

@@ -101,7 +101,7 @@ def _policy_case(name):
                 state = state_of(m)
                 if state is not None and state.param_group is not None and m is not model:
                     want = not isinstance(m, FeedForward)
-                    assert state.param_group.reshard_after_forward is want, (m, want)
+                    assert state.param_group.settings.reshard_after_forward is want, (m, want)
         batches = [transformer_batch(0, 2 * world_size)]
         train_steps(ref, model, batches, transformer_loss, rank, world_size)
         assert_params_match(ref, model)
@@ -116,7 +116,7 @@ def _case_kwargs_reach_every_call(rank, world_size):
                       reshard_after_forward=False)
     groups = [state_of(m).param_group for m in (model, *model.layers)]
     assert all(g.mp_policy.param_dtype == torch.bfloat16 for g in groups)
-    assert all(g.reshard_after_forward is False for g in groups)
+    assert all(g.settings.reshard_after_forward is False for g in groups)
 
 
 def _case_tied(rank, world_size):

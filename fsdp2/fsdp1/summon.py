@@ -47,7 +47,8 @@ from ..errors import FSDPAssertionError, FSDPNotImplementedError
 from ..runtime import collectives
 from ..runtime.hooks import state_of
 from ..runtime.param import FSDPParam
-from ..runtime.param_group import FSDPParamGroup, TrainingState
+from ..runtime.param_group import FSDPParamGroup
+from ..runtime.step_state import TrainingState
 
 __all__ = ["summon_full_params"]
 
@@ -198,7 +199,7 @@ def _check_can_summon(group: FSDPParamGroup) -> None:
             f"summon_full_params: the group of {where} is already summoned by an enclosing "
             "summon_full_params; use the outer block's parameters"
         )
-    if group.training_state != TrainingState.IDLE or in_backward():
+    if group.step.training_state != TrainingState.IDLE or in_backward():
         raise FSDPAssertionError(
             "Cannot manually unshard parameters during forward/backward\n"
             f"summon_full_params was called inside the forward or backward of {where}; "
@@ -267,7 +268,7 @@ def _gather_grads(group: FSDPParamGroup) -> tuple[torch.Tensor, dict[FSDPParam, 
     offsets, total = {}, 0
     for p in trainable:
         offsets[p], total = total, total + p.padded_shard_numel
-    flat = torch.zeros(total, dtype=group.orig_dtype, device=group.device)
+    flat = torch.zeros(total, dtype=group.dtypes.orig, device=group.device)
     for p in trainable:
         grad = p.sharded_param.grad
         if grad is None:

@@ -155,16 +155,23 @@ def check_not_custom(comm: Any, allowed: type, method: str, what: str) -> None:
 def use_process_group_memory(group: Any, enable: bool) -> None:
     """``set_allocate_memory_from_process_group_for_comm`` for one parameter group."""
     method = "set_allocate_memory_from_process_group"
-    check_not_custom(group.all_gather_comm, ProcessGroupAllocAllGather, method, "all gather")
+    reduction = group.reduction
+    check_not_custom(group.settings.all_gather_comm, ProcessGroupAllocAllGather, method, "all gather")
     check_not_custom(
-        group.reduce_scatter_comm, ProcessGroupAllocReduceScatter, method, "reduce scatter"
+        reduction.settings.reduce_scatter_comm, ProcessGroupAllocReduceScatter, method,
+        "reduce scatter",
     )
     if not enable:
-        group.all_gather_comm = group.reduce_scatter_comm = None
+        group.set_all_gather_comm(None)
+        reduction.set_reduce_scatter_comm(None)
         return
     device = group.device
-    group.all_gather_comm = ProcessGroupAllocAllGather(group.mesh_info.shard_process_group, device)
-    group.reduce_scatter_comm = ProcessGroupAllocReduceScatter(group.reduce_scatter_group, device)
+    group.set_all_gather_comm(
+        ProcessGroupAllocAllGather(group.mesh_info.shard_process_group, device)
+    )
+    reduction.set_reduce_scatter_comm(
+        ProcessGroupAllocReduceScatter(reduction.reduce_scatter_group, device)
+    )
 
 
 def use_symm_mem(group: Any, backend: str) -> None:
@@ -172,28 +179,32 @@ def use_symm_mem(group: Any, backend: str) -> None:
     from .._torch_compat import set_symm_mem_backend
 
     method = "set_symm_mem"
-    check_not_custom(group.all_gather_comm, SymmMemAllGather, method, "all gather")
+    check_not_custom(group.settings.all_gather_comm, SymmMemAllGather, method, "all gather")
     set_symm_mem_backend(backend)  # upstream's RuntimeError where torch lacks the backend
     if group.device.type != "cuda":
         return  # symmetric memory is CUDA memory: nothing to allocate elsewhere
     all_gather_group = group.mesh_info.shard_process_group
     dist.barrier(group=all_gather_group)  # NCCL communicators must exist before the rendezvous
-    group.all_gather_comm = SymmMemAllGather(all_gather_group)
-    check_not_custom(group.reduce_scatter_comm, SymmMemReduceScatter, method, "reduce scatter")
-    if group._force_sum_reduction:
-        group.reduce_scatter_comm = SymmMemReduceScatter(group.reduce_scatter_group)
+    group.set_all_gather_comm(SymmMemAllGather(all_gather_group))
+    reduction = group.reduction
+    check_not_custom(
+        reduction.settings.reduce_scatter_comm, SymmMemReduceScatter, method, "reduce scatter"
+    )
+    if reduction.settings.force_sum_reduction:
+        reduction.set_reduce_scatter_comm(SymmMemReduceScatter(reduction.reduce_scatter_group))
 
 
 def check_max_input_buffers(group: Any) -> None:
     """Upstream's lazy-init check: several reduce-scatter buffers do not fit symmetric memory."""
-    if group.reduce_scatter_max_input_buffers > 1 and isinstance(
-        group.reduce_scatter_comm, SymmMemReduceScatter
+    settings = group.reduction.settings
+    if settings.reduce_scatter_max_input_buffers > 1 and isinstance(
+        settings.reduce_scatter_comm, SymmMemReduceScatter
     ):
         raise ValueError(
             "set_reduce_scatter_max_input_buffers(>1) is not supported with "
             "the symmetric-memory reduce-scatter comm, but got "
-            f"{group.reduce_scatter_max_input_buffers} for module "
-            f"'{group.module_fqn}' using {type(group.reduce_scatter_comm).__name__}. Keep "
+            f"{settings.reduce_scatter_max_input_buffers} for module "
+            f"'{group.module_fqn}' using {type(settings.reduce_scatter_comm).__name__}. Keep "
             "max_input_buffers=1 with symmetric memory, or use the default "
             "reduce-scatter comm."
         )

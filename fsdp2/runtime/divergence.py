@@ -101,7 +101,9 @@ def group_fingerprint(group: FSDPParamGroup, meshes: dict[int, str]) -> dict[str
         "group": group.module_fqn,
         "settings": {
             "mesh": meshes[key],
-            "reshard_after_forward": pf.size if pf is not None else group.reshard_after_forward,
+            "reshard_after_forward": (
+                pf.size if pf is not None else group.settings.reshard_after_forward
+            ),
             "mp_policy": (
                 f"param_dtype={mp.param_dtype}, reduce_dtype={mp.reduce_dtype}, "
                 f"output_dtype={mp.output_dtype}, cast_forward_inputs={mp.cast_forward_inputs}"

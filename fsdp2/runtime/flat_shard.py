@@ -105,7 +105,7 @@ class FlatShard:
         pin_memory: bool,
     ) -> None:
         self.fsdp_params = fsdp_params
-        self._pin_memory = pin_memory
+        self.pin_memory = pin_memory  # host buffers are pinned (CPU offload to an accelerator)
         self.layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources])
         on_meta = any(src.is_meta for src in sources)
         self.buffer = self._new_buffer(torch.device("meta") if on_meta else device)
@@ -115,7 +115,7 @@ class FlatShard:
         self.needs_adoption = False
 
     def _new_buffer(self, device: torch.device, empty: bool = False) -> torch.Tensor:
-        pin = self._pin_memory and device.type == "cpu"
+        pin = self.pin_memory and device.type == "cpu"
         return self.layout.new_buffer(device, pin, empty)
 
     def slot(self, index: int) -> torch.Tensor:

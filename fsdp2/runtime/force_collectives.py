@@ -7,7 +7,7 @@ copy-out; ``FSDPParamGroup.unshard``), a staged all-gather (custom comm,
 extensions) skips its collective (``staged_collectives.all_gather``), a custom
 all-gather comm is not called at all, and the mean over one rank is taken to
 be the gradient itself (no reduce-scatter input, no collective, no custom
-reduce-scatter comm; ``GradientReduction._reduce_scatter``). HSDP's
+reduce-scatter comm; ``GradientReduction.reduce_scatter``). HSDP's
 all-reduce and the copy-in (mixed precision casts, CPU offload) have no
 shortcut: they run at any size.
 

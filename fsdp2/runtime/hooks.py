@@ -81,8 +81,9 @@ from .comm_memory import check_max_input_buffers
 from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
-from .param_group import FSDPParamGroup, IterContext, TrainingState
+from .param_group import FSDPParamGroup
 from .shared_params import check_shared_params
+from .step_state import IterContext, TrainingState
 from .tensor_tree import map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class FSDPState:
         if self.auto_reshard_after_forward and self.param_group is not None:
             # The root is needed first in backward; resharding it would only
             # cost an extra all-gather.
-            self.param_group.reshard_after_forward = False
+            self.param_group.set_reshard_after_forward(False)
         devices = {s.param_group.device for s in ctx.all_states if s.param_group is not None}
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
@@ -224,12 +225,8 @@ class FSDPState:
         group = self.param_group
         if group is None:
             return
-        group.ctx = ctx.iter_ctx
-        group.module_fqn = ", ".join(module_fqns.get(m, "?") for m in self.modules)
-        for p in group.fsdp_params:
-            module, name = p.module_infos[0]
-            prefix = module_fqns.get(module, "")
-            p.fqn = f"{prefix}.{name}" if prefix else name
+        group.set_iter_ctx(ctx.iter_ctx)
+        group.set_fqns(module_fqns)
         # Parameters may have been replaced in any way since fully_shard.
         group.adopt_params(force=True)
         group.check_materialized()
@@ -259,7 +256,7 @@ class FSDPState:
         if self.is_root is not False:
             self.root_ctx.iter_ctx = ctx
         if self.param_group is not None:
-            self.param_group.ctx = ctx
+            self.param_group.set_iter_ctx(ctx)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self.root_ctx.is_last_backward = is_last_backward
@@ -307,7 +304,7 @@ class FSDPState:
             self._modules_to_run.update(self.modules)
         use = None
         if group is not None:
-            starts_use = group.training_state != TrainingState.FORWARD
+            starts_use = group.step.training_state != TrainingState.FORWARD
             group.pre_forward()  # every module: the group may have been resharded since
             use = group.record_module_run(module, starts_use)
         if not starts_use:
@@ -468,15 +465,16 @@ class FSDPState:
         groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
         for group in groups:
             name = group.module_fqn or "<root>"
-            if group.holds_partial_reduction:
+            if group.reduction.holds_partial_reduction:
                 raise RuntimeError(
                     "FSDP manual backward finalization does not support partial gradient "
                     f"reductions for parameter group {name!r}. Use automatic backward "
                     "finalization for this configuration"
                 )
+            settings = group.reduction.settings
             if (
-                group.post_backward_pending and group.reduce_grads
-                and group.mesh_info.replicate_only and not group.all_reduce_grads
+                group.step.post_backward_pending and settings.reduce_grads
+                and group.mesh_info.replicate_only and not settings.all_reduce_grads
             ):
                 raise RuntimeError(
                     "FSDP manual backward finalization requires all-reduce for parameter group "

@@ -32,6 +32,7 @@ reduction, which then runs in the promoted dtype when ``reduce_dtype`` is unset.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,19 @@ from ..api import MixedPrecisionPolicy
 from ..errors import FSDPAssertionError
 from ..versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 from .tensor_tree import map_tensors
+
+
+@dataclass(frozen=True)
+class GroupDtypes:
+    """The dtypes one parameter group works in; ``None``: no cast.
+
+    Resolved by the group from its policy and its parameters, again whenever
+    those are replaced; see [Note: Mixed precision cast points].
+    """
+
+    orig: torch.dtype  # the trainable parameters', so their sharded gradients'
+    param: torch.dtype | None  # the unsharded parameters' (``resolve_dtypes``)
+    reduce: torch.dtype | None  # the reduction's (``resolve_dtypes``)
 
 
 def resolve_dtypes(

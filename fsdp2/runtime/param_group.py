@@ -7,6 +7,14 @@ input. Each use of the group costs one all-gather and, in backward, one
 reduce-scatter (see [Note: Copies around the collectives]), plus one
 all-reduce over the replicate group for HSDP.
 
+The group holds what it *is*: its parameters and flat buffer, modules,
+meshes, device, policies and the dtypes resolved from them, and when and how
+it gathers (``UnshardSettings``, group_settings.py). What forward and
+backward do to it is its ``StepState`` (step_state.py); reducing its
+gradients is its ``GradientReduction`` (``group.reduction``, reduction.py),
+which keeps the gradient settings. ``FSDPModule``'s setters go through the
+``set_*`` methods of the group and of its reduction.
+
 [Note: Resharding to a smaller group after forward]
 With ``reshard_after_forward=k`` the post-forward reshard keeps, instead of
 nothing, this rank's share of the gathered parameters over its post-forward
@@ -27,26 +35,14 @@ nothing on the host reads them before the end of backward (no gradient to
 accumulate into); the end-of-backward callback waits for them, so the
 optimizer never sees a half-written gradient. On a CPU mesh every one of
 these copies is a no-op and the code path is the same.
-
-[Note: Gradient accumulation without sync]
-With ``reduce_grads`` off (``set_requires_gradient_sync(False)``) the
-post-backward skips the reduce-scatter and leaves each gradient on its
-unsharded parameter's ``.grad``: the unsharded parameter object is reused
-across unshards, so the next backward's autograd adds into the same tensor.
-The first post-backward with ``reduce_grads`` on reduces the accumulated sum
-in one reduce-scatter. Gradients accumulate in the parameter dtype; with a
-different reduce dtype ``_hold_unsharded_grads`` moves them aside into that
-dtype (once per micro-batch), as upstream accumulates them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from enum import Enum, auto
+from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .._torch_compat import local_tensor, outside_functorch
@@ -57,30 +53,26 @@ from . import collectives, staged_collectives
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
 from .force_collectives import skips_collectives
+from .group_settings import UnshardSettings
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
+from .mixed_precision import GroupDtypes, check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
-from .reduce_op import ReducePlan
 from .reduction import GradientReduction
+from .step_state import IterContext, StepState, TrainingState
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingState(Enum):
-    IDLE = auto()  # between uses
-    FORWARD = auto()  # inside the forward of one of the group's modules
-    PRE_BACKWARD = auto()  # unsharded for backward, gradients being computed
-    POST_BACKWARD = auto()  # gradients reduced (for this use)
+@dataclass
+class _GatherInput:
+    """Where unshard's all-gather input comes from; decided by ``_init_dtypes``."""
+
+    extensions: bool = False  # some parameters gather through all-gather extensions
+    copy_in: bool = False  # a cast or a move; otherwise the flat buffer is the input itself
+    partly_cast: bool = False  # some cast, others kept (param_dtype_override_fn): per parameter
 
 
-class IterContext:
-    """Per-root state shared by all groups under it for one iteration."""
-
-    def __init__(self) -> None:
-        self.post_forward_order: list[FSDPParamGroup] = []
-
-
-class FSDPParamGroup(GradientReduction):
+class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call, gathered and reduced together."""
 
     def __init__(
@@ -97,47 +89,16 @@ class FSDPParamGroup(GradientReduction):
     ) -> None:
         self.fsdp_params = fsdp_params
         self.modules = modules
+        self.module_fqn = ""  # named under its root at lazy init (set_fqns)
         self.mesh_info = mesh_info
         # One rank, nothing to communicate: see [Note: Forcing collectives on one rank]
         self.alone = skips_collectives(mesh_info.shard_mesh_size)
-        self.device = device
-        self.reshard_after_forward = reshard_after_forward
         # Set only for reshard_after_forward=int: see [Note: Resharding to a smaller group ...]
         self.post_forward_mesh_info = post_forward_mesh_info
-        self._post_forward_flat: torch.Tensor | None = None
-        self.reshard_after_backward = True
-        # HSDP: all-reduce gradients over the replicate group (off while accumulating)
-        self.all_reduce_grads = True
-        self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
-        # Gradients held unreduced (sync off) or not reached by autograd under
-        # manual finalization: FSDPModule.finalize_backward reduces them.
-        self.post_backward_pending = False
-        # Control surface (FSDPModule.set_*); see module.py.
-        self.reduce_grads = True
-        self.unshard_in_backward = True
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: torch.Stream | None = None
-        self._gradient_divide_factor: float | None = None
-        self._force_sum_reduction = False
-        self._reduce_plan: ReducePlan | None = None
-        self.training_state = TrainingState.IDLE
-        # Groups of several modules: the modules run in the current use, and those of
-        # the uses with no post-backward node of their own (inputs that need no grad)
-        # whose gradients are not reduced yet. See [Note: Gradients of parameters used
-        # on some ranks] in reduction.py.
-        self._use: set[nn.Module] | None = None
-        self._uses_without_node: list[set[nn.Module]] = []
-        self.module_fqn = ""
-        self.ctx = IterContext()
-        self._post_forward_indices: list[int] = []
-        # (work, all-gather output, input kept alive until the work is done)
-        self._pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
-        self._pending_staged: staged_collectives.StagedAllGather | None = None
-        self._is_unsharded = False
-        # Set by FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, or to a
-        # built-in comm (see [Note: Communication memory] in comm_memory.py).
-        self.all_gather_comm: staged_collectives.AllGather | None = None
-        self.reduce_scatter_comm: staged_collectives.ReduceScatter | None = None
+        self.device = device
+        self.settings = UnshardSettings(reshard_after_forward)
+        self.ctx = IterContext()  # the root's, from lazy init (set_iter_ctx)
+        self.step = StepState()
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
             raise FSDPNotImplementedError(
@@ -145,20 +106,49 @@ class FSDPParamGroup(GradientReduction):
                 "reshard_after_forward=<int> with tensor-parallel (DTensor) parameters "
                 f"({', '.join(tp_names)}); pass True or False"
             )
-        # FSDPModule.set_reduce_scatter_unused_params / _max_input_buffers /
-        # set_separate_reduce_scatter_group (see reduction.py).
-        self.reduce_scatter_unused_params = False
-        self.reduce_scatter_max_input_buffers = 1
-        self.reduce_scatter_process_group: dist.ProcessGroup | None = None
-        self._has_extensions = False  # decided per parameter (see _check_extensions)
         # See [Note: CPU offload]
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self._pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
-        self._grad_offload_event: torch.Event | None = None
+        pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         buffer_device = torch.device("cpu") if self.offload else device
-        self._flat = FlatShard(fsdp_params, sources, buffer_device, self._pin_memory)
-        self._init_dtypes()
+        self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory)
+        self._gather = _GatherInput()
+        self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather
+        self.reduction = GradientReduction(
+            fsdp_params, mesh_info, device, lambda: self.dtypes,
+            alone=self.alone, offload=self.offload, pin_memory=pin_memory,
+        )
+
+    # ---- settings (FSDPModule's setters) -------------------------------------------
+
+    def set_reshard_after_forward(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, reshard_after_forward=enabled)
+
+    def set_reshard_after_backward(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, reshard_after_backward=enabled)
+
+    def set_unshard_in_backward(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, unshard_in_backward=enabled)
+
+    def set_all_gather_comm(self, comm: staged_collectives.AllGather | None) -> None:
+        """A custom or built-in all-gather comm; ``None``: the default collective."""
+        self.settings = replace(self.settings, all_gather_comm=comm)
+
+    def set_keep_unsharded_storage(self, keep: bool) -> None:
+        for p in self.fsdp_params:
+            p.keep_unsharded_storage = keep
+
+    def set_iter_ctx(self, ctx: IterContext) -> None:
+        """Record the forward order into ``ctx`` (the root's, or one ``share_comm_ctx`` shares)."""
+        self.ctx = ctx
+
+    def set_fqns(self, module_fqns: dict[nn.Module, str]) -> None:
+        """Name the group and its parameters by their FQNs under the root (lazy init)."""
+        self.module_fqn = ", ".join(module_fqns.get(m, "?") for m in self.modules)
+        for p in self.fsdp_params:
+            module, name = p.module_infos[0]
+            prefix = module_fqns.get(module, "")
+            p.fqn = f"{prefix}.{name}" if prefix else name
 
     # ---- buffers ------------------------------------------------------------
 
@@ -179,8 +169,8 @@ class FSDPParamGroup(GradientReduction):
         # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
         trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
         fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
-        self.orig_dtype = trainable[0] if trainable else fallback
-        self.param_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, self.orig_dtype)
+        orig_dtype = trainable[0] if trainable else fallback
+        self.dtypes = GroupDtypes(orig_dtype, *resolve_dtypes(self.mp_policy, orig_dtype))
         for p, dtype in zip(self.fsdp_params, layout.dtypes):
             # floating ones only, unless param_dtype_override_fn kept the parameter's dtype
             p.param_dtype = None if p.keeps_dtype else resolve_dtypes(self.mp_policy, dtype)[0]
@@ -189,13 +179,11 @@ class FSDPParamGroup(GradientReduction):
                 p.extension.mp_policy = self.mp_policy
                 p.extension.param_dtype = p.param_dtype or p.dtype
         for p in self.fsdp_params:  # See [Note: Gradient accumulation dtype]
-            p.grad_dtype = self.reduce_dtype if ACCUMULATE_IN_GRAD_DTYPE else None
-        # Without a cast or a move the flat buffer is the all-gather input itself.
+            p.grad_dtype = self.dtypes.reduce if ACCUMULATE_IN_GRAD_DTYPE else None
         cast = [p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0]
-        self._copy_in = (self.offload and self.device.type != "cpu") or any(cast)
-        # Some parameters cast, others kept (param_dtype_override_fn): gathered per parameter.
-        self._partly_cast = any(cast) and not all(cast)
-        if self._partly_cast and self.post_forward_mesh_info is not None:
+        self._gather.copy_in = (self.offload and self.device.type != "cpu") or any(cast)
+        self._gather.partly_cast = any(cast) and not all(cast)
+        if self._gather.partly_cast and self.post_forward_mesh_info is not None:
             kept = [p.fqn for p in self.fsdp_params if p.keeps_dtype]
             raise FSDPNotImplementedError(
                 "reshard_after_forward=<int> is not supported with parameters that "
@@ -206,7 +194,7 @@ class FSDPParamGroup(GradientReduction):
     def _check_extensions(self) -> None:
         """Which parameters gather through all-gather extensions (decided when adopted)."""
         with_ext = [p.fqn for p in self.fsdp_params if p.extension is not None]
-        self._has_extensions = bool(with_ext)
+        self._gather.extensions = bool(with_ext)
         if with_ext and self.post_forward_mesh_info is not None:
             # Upstream raises a bare NotImplementedError at the backward all-gather.
             raise FSDPNotImplementedError(
@@ -292,56 +280,58 @@ class FSDPParamGroup(GradientReduction):
     @property
     def holds_gathered(self) -> bool:
         """Unsharded, or an all-gather in flight, or some parameter not back on its shard."""
+        step = self.step
         return (
-            self._is_unsharded
-            or self._pending_unshard is not None
-            or self._pending_staged is not None
+            step.is_unsharded
+            or step.pending_unshard is not None
+            or step.pending_staged is not None
             or any(p.state != ShardedState.SHARDED for p in self.fsdp_params)
         )
 
     @outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group's parameters; no-op if unsharded or in flight."""
-        if self._is_unsharded or self._pending_unshard is not None or self._pending_staged:
+        step = self.step
+        if step.is_unsharded or step.pending_unshard is not None or step.pending_staged:
             return
         if self._flat.needs_adoption:
             self.adopt_params()
             self.check_materialized()
         world_size = self.mesh_info.shard_mesh_size
-        layout = self.layout
+        layout, gather = self.layout, self._gather
         if (
-            self._has_extensions
-            or (effective(self.all_gather_comm) is not None and not self.alone)
-            or ((layout.mixed or self._partly_cast) and self._copy_in and self._post_forward_flat is None)
+            gather.extensions
+            or (effective(self.settings.all_gather_comm) is not None and not self.alone)
+            or ((layout.mixed or gather.partly_cast) and gather.copy_in and step.post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
             self._unshard_staged(async_op)
             return
-        if self.alone and not self._copy_in:
+        if self.alone and not gather.copy_in:
             # the shards are the parameters: nothing to gather
             for p in self.fsdp_params:
                 p.alias_shard()
                 p.to_unsharded()
-            self._is_unsharded = True
+            step.is_unsharded = True
             return
         if layout.mixed:  # gathered as bytes, in slot order
             dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
         else:
-            dtype, shard_numel = self.param_dtype or layout.dtype, layout.numel
+            dtype, shard_numel = self.dtypes.param or layout.dtype, layout.numel
         output = collectives.all_gather_output(
             self.fsdp_params, shard_numel, world_size, dtype, self.device
         )
-        if self._post_forward_flat is not None:
+        if step.post_forward_flat is not None:
             # kept (and freed) until wait_for_unshard: the collective reads it
-            ag_input = self._post_forward_flat
+            ag_input = step.post_forward_flat
             group = self.post_forward_mesh_info.process_group
         else:
             ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group
-            if self._copy_in:  # See [Note: Copies around the collectives]
+            if gather.copy_in:  # See [Note: Copies around the collectives]
                 ag_input = collectives.copy_in(
-                    output, ag_input, self.mesh_info.shard_mesh_rank, self._pin_memory
+                    output, ag_input, self.mesh_info.shard_mesh_rank, self._flat.pin_memory
                 )
         work = collectives.all_gather(output, ag_input, group, async_op)
-        self._pending_unshard = (work, output, ag_input)
+        step.pending_unshard = (work, output, ag_input)
         if not async_op:
             self.wait_for_unshard()
 
@@ -352,7 +342,7 @@ class FSDPParamGroup(GradientReduction):
             if p.extension is None:  # in the unsharded dtype and on the device, as upstream
                 slot = self._slot(i)
                 dtype = p.param_dtype or slot.dtype
-                inputs.append([slot.to(self.device, dtype, non_blocking=self._pin_memory)])
+                inputs.append([slot.to(self.device, dtype, non_blocking=self._flat.pin_memory)])
                 continue
             local = local_tensor(p.sharded_param)
             if self.offload:  # upstream hands the pre hook the shard on the device
@@ -363,13 +353,13 @@ class FSDPParamGroup(GradientReduction):
                     torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
                 )
             )
-        self._pending_staged = staged_collectives.all_gather(
+        self.step.pending_staged = staged_collectives.all_gather(
             self.fsdp_params,
             inputs,
             self.mesh_info.shard_process_group,
             self.mesh_info.shard_mesh_rank,
             self.mesh_info.shard_mesh_size,
-            effective(self.all_gather_comm),
+            effective(self.settings.all_gather_comm),
             async_op,
             skip_collective=self.alone,
         )
@@ -377,7 +367,7 @@ class FSDPParamGroup(GradientReduction):
             self.wait_for_unshard()
 
     def _wait_for_staged(self) -> None:
-        staged, self._pending_staged = self._pending_staged, None
+        staged, self.step.pending_staged = self.step.pending_staged, None
         if staged.work is not None:
             staged.work.wait()
         staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
@@ -387,48 +377,50 @@ class FSDPParamGroup(GradientReduction):
             else:
                 p.finish_copy_out()
             p.to_unsharded()
-        self._is_unsharded = True
+        self.step.is_unsharded = True
 
     @outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
-        if self._pending_staged is not None:
+        step = self.step
+        if step.pending_staged is not None:
             self._wait_for_staged()
             return
-        if self._pending_unshard is None:
+        if step.pending_unshard is None:
             return
-        work, output, _ = self._pending_unshard
-        self._pending_unshard = None
+        work, output, _ = step.pending_unshard
+        step.pending_unshard = None
         if work is not None:
             work.wait()
-        self._post_forward_flat = None
+        step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
         collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
-        self._is_unsharded = True
+        step.is_unsharded = True
 
     @outside_functorch
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
-        self._post_forward_flat = None
-        if self._pending_staged is not None:
-            staged, self._pending_staged = self._pending_staged, None
+        step = self.step
+        step.post_forward_flat = None
+        if step.pending_staged is not None:
+            staged, step.pending_staged = step.pending_staged, None
             if staged.work is not None:
                 staged.work.wait()
-        if self._pending_unshard is not None:
-            work, _, _ = self._pending_unshard
-            self._pending_unshard = None
+        if step.pending_unshard is not None:
+            work, _, _ = step.pending_unshard
+            step.pending_unshard = None
             if work is not None:
                 work.wait()
             for p in self.fsdp_params:
                 p.free_unsharded()
-        if not self._is_unsharded:
+        if not step.is_unsharded:
             return
         for p in self.fsdp_params:
             p.to_sharded()
-        self._is_unsharded = False
+        step.is_unsharded = False
 
     @outside_functorch
     def reshard_to_post_forward(self) -> None:
@@ -437,7 +429,7 @@ class FSDPParamGroup(GradientReduction):
         See [Note: Resharding to a smaller group after forward].
         """
         self.wait_for_unshard()
-        if not self._is_unsharded:
+        if not self.step.is_unsharded:
             return
         info = self.post_forward_mesh_info
         num_blocks = self.mesh_info.shard_mesh_size // info.size
@@ -448,7 +440,7 @@ class FSDPParamGroup(GradientReduction):
             blocks = [b.view(torch.uint8) for b in blocks]
         kept = torch.cat(blocks, dim=1)
         self.reshard()
-        self._post_forward_flat = kept.view(-1)
+        self.step.post_forward_flat = kept.view(-1)
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 
@@ -456,50 +448,52 @@ class FSDPParamGroup(GradientReduction):
 
     def pre_forward(self) -> None:
         logger.debug("pre_forward %s", self.module_fqn)
-        self.training_state = TrainingState.FORWARD
+        self.step.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_for_unshard()
 
     def post_forward(self) -> None:
         logger.debug("post_forward %s", self.module_fqn)
         grad_enabled = torch.is_grad_enabled()
+        reshard = self.settings.reshard_after_forward
         # Without autograd no backward will need the parameters: always free.
-        if grad_enabled and self.reshard_after_forward and self.post_forward_mesh_info:
+        if grad_enabled and reshard and self.post_forward_mesh_info:
             self.reshard_to_post_forward()
-        elif self.reshard_after_forward or not grad_enabled:
+        elif reshard or not grad_enabled:
             self.reshard()
         if grad_enabled:
             order = self.ctx.post_forward_order
-            self._post_forward_indices.append(len(order))
+            self.step.post_forward_indices.append(len(order))
             order.append(self)
-        self.training_state = TrainingState.IDLE
+        self.step.training_state = TrainingState.IDLE
 
     def pre_backward(self, default_prefetch: bool = True) -> bool:
         """Unshard for this use's backward; returns False if this use already started it."""
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        if self.step.training_state == TrainingState.PRE_BACKWARD:
             return False  # another output of the same use already triggered it
         logger.debug("pre_backward %s", self.module_fqn)
-        self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        self.step.training_state = TrainingState.PRE_BACKWARD
+        if self.settings.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
-        self._set_grad_dtypes(defer=True)
+        self.reduction.set_grad_dtypes(defer=True)
         if default_prefetch:
             self._prefetch_previous()
         return True
 
     def prefetch(self, in_backward: bool) -> None:
         """Start this group's all-gather early; its pre-forward/pre-backward waits for it."""
-        if in_backward and not self.unshard_in_backward:
+        if in_backward and not self.settings.unshard_in_backward:
             return
         self.unshard(async_op=True)
 
     def _prefetch_previous(self) -> None:
         # Backward runs groups in reverse forward order: start the all-gather
         # of the group that ran just before this use so it overlaps compute.
-        if not self._post_forward_indices:
+        indices = self.step.post_forward_indices
+        if not indices:
             return
-        index = self._post_forward_indices.pop()
+        index = indices.pop()
         if index == 0:
             return
         target = self.ctx.post_forward_order[index - 1]
@@ -510,15 +504,16 @@ class FSDPParamGroup(GradientReduction):
         """Note that ``module`` runs in this use; returns the use's modules (groups of several)."""
         if len(self.modules) == 1:
             return None
-        if starts_use or self._use is None:
-            self._use = set()
-        self._use.add(module)
-        return self._use
+        step = self.step
+        if starts_use or step.use is None:
+            step.use = set()
+        step.use.add(module)
+        return step.use
 
     def add_use_without_node(self, use: set[nn.Module] | None) -> None:
         """A use whose inputs need no grad: its gradients are reduced at the end of backward."""
         if use is not None:
-            self._uses_without_node.append(use)
+            self.step.uses_without_node.append(use)
 
     def post_backward(self, use: set[nn.Module] | None = None) -> None:
         """Reshard and reduce-scatter the gradients of this use of the group.
@@ -528,38 +523,34 @@ class FSDPParamGroup(GradientReduction):
         """
         logger.debug("post_backward %s", self.module_fqn)
         ran = self._take_use(use)
-        self.training_state = TrainingState.POST_BACKWARD
-        # Held gradients wait for a reducing post-backward (see end_backward).
-        self.post_backward_pending = not self.reduce_grads
-        if not self.reduce_grads:
-            self._hold_unsharded_grads()
-            if self.reshard_after_backward:
+        self.step.training_state = TrainingState.POST_BACKWARD
+        reduce_grads = self.reduction.settings.reduce_grads
+        # Held gradients wait for a reducing post-backward (see end_backward); see
+        # [Note: Gradient accumulation without sync] in reduction.py.
+        self.step.post_backward_pending = not reduce_grads
+        if not reduce_grads:
+            self.reduction.hold_unsharded_grads()
+            if self.settings.reshard_after_backward:
                 self.reshard()
             return
-        taken = [p.take_unsharded_grad() for p in self.fsdp_params]
-        self._set_grad_dtypes(defer=False)
-        filled: set[FSDPParam] = set()
-        if self.reduce_scatter_unused_params:
-            self.zero_unused_grads(self.fsdp_params, taken)
-        elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:
-            # See [Note: Gradients of parameters used on some ranks] in reduction.py
-            filled = self.fill_unused_grads(self.fsdp_params, taken, ran)
-        with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
-        grads = [grad for grad in taken if grad is not None]
-        del taken  # the reduce-scatter frees each gradient once copied in: hold no other reference
-        if self.reshard_after_backward:
+        # Only these lists hold the gradients: the reduce-scatter frees each once copied in.
+        with_grad, grads, filled = self.reduction.take_grads(ran)
+        if self.settings.reshard_after_backward:
             self.reshard()
         if self.layout.mixed:  # requires_grad may have changed since lazy init
-            check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.orig_dtype)
+            check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
-            self._reduce_scatter(with_grad, grads, filled)
+            self.reduction.reduce_scatter(
+                with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
+            )
 
     def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:
         """The modules whose parameters a post-backward may fill (``None``: all)."""
         if len(self.modules) == 1 or use is not None:
             return use
-        ran = set().union(*self._uses_without_node)
-        self._uses_without_node.clear()
+        uses = self.step.uses_without_node
+        ran = set().union(*uses)
+        uses.clear()
         return ran
 
     def end_backward(self, defer_reduction: bool = False) -> None:
@@ -570,51 +561,46 @@ class FSDPParamGroup(GradientReduction):
         ``defer_reduction`` (manual backward finalization) and gradient sync
         on, are only marked ``post_backward_pending`` for ``finalize_backward``.
         """
-        if self.training_state != TrainingState.POST_BACKWARD:
-            if defer_reduction and self.reduce_grads:
-                self.post_backward_pending = True
+        if self.step.training_state != TrainingState.POST_BACKWARD:
+            if defer_reduction and self.reduction.settings.reduce_grads:
+                self.step.post_backward_pending = True
             else:
                 self.post_backward()
-        self.wait_for_grad_offload()
-        self.training_state = TrainingState.IDLE
+        self.reduction.wait_for_grad_offload()
+        self.step.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:
         """``finalize_backward``: reduce held gradients now (pending), else reshard if asked."""
-        if self.post_backward_pending:
+        if self.step.post_backward_pending:
             self.post_backward()
-        elif self.reshard_after_backward:
+        elif self.settings.reshard_after_backward:
             self.reshard()
-        self.training_state = TrainingState.IDLE
+        self.step.training_state = TrainingState.IDLE
 
     def end_step(self) -> None:
         """After the last backward of a step: wait for offloads, clear the backward bookkeeping.
 
         All-gathers prefetched for a use that never came are dropped.
         """
-        self.wait_for_grad_offload()
-        self.training_state = TrainingState.IDLE
-        self._post_forward_indices.clear()
-        if self.reshard_after_backward or not self._is_unsharded:
+        self.reduction.wait_for_grad_offload()
+        self.step.training_state = TrainingState.IDLE
+        self.step.post_forward_indices.clear()
+        if self.settings.reshard_after_backward or not self.step.is_unsharded:
             self.reshard()  # also waits for and drops an unused prefetch
-
-    @property
-    def holds_partial_reduction(self) -> bool:
-        """HSDP with all-reduce off: reduce-scattered gradients wait for their all-reduce."""
-        return bool(self._partial_grads)
 
     def reset_iter_state(self) -> None:
         """Drop every per-iteration trace after a failed forward or backward."""
         self.reshard()
-        self.wait_for_grad_offload()
+        self.reduction.wait_for_grad_offload()
         for p in self.fsdp_params:
             p.take_unsharded_grad()
-        self._set_grad_dtypes(defer=False)
-        self.training_state = TrainingState.IDLE
-        self.post_backward_pending = False
-        self._post_forward_indices.clear()
-        self._use = None
-        self._uses_without_node.clear()
+        self.reduction.set_grad_dtypes(defer=False)
+        step = self.step
+        step.training_state = TrainingState.IDLE
+        step.post_backward_pending = False
+        step.post_forward_indices.clear()
+        step.use = None
+        step.uses_without_node.clear()
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.module_fqn or '<root>'}, {len(self.fsdp_params)} params)"
-

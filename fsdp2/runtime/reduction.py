@@ -1,10 +1,26 @@
-"""The gradient-reduction half of a parameter group: reduce-scatter, HSDP all-reduce, casts.
+"""Gradient reduction of one parameter group: reduce-scatter, HSDP all-reduce, casts back.
 
-``FSDPParamGroup`` inherits this; it is kept apart so each file reads as one
-concept. The state it uses (mesh info, dtypes, offload flags, the control
-settings) is set up by the group; see [Note: CPU offload] and
-[Note: Gradient accumulation without sync] in param_group.py and
-[Note: Gradient divide factors] in reduce_op.py.
+``FSDPParamGroup`` owns one ``GradientReduction`` (``group.reduction``) and
+calls it from its backward hooks. The reduction keeps what only reductions
+read: the settings ``FSDPModule``'s gradient setters choose
+(``ReductionSettings`` in group_settings.py, replaced through its ``set_*``
+methods only) and the state kept between reductions (HSDP partial sums, the
+pending gradient offload, the cached reduce plan). Everything else is handed
+to it: the group's parameters, mesh, device, offload flags and (as a
+callable: they are resolved again when parameters are replaced) dtypes at
+construction; the shards' device and the group's name with each reduction.
+See [Note: CPU offload] in param_group.py and [Note: Gradient divide
+factors] in reduce_op.py.
+
+[Note: Gradient accumulation without sync]
+With ``reduce_grads`` off (``set_requires_gradient_sync(False)``) the
+post-backward skips the reduce-scatter and leaves each gradient on its
+unsharded parameter's ``.grad``: the unsharded parameter object is reused
+across unshards, so the next backward's autograd adds into the same tensor.
+The first post-backward with ``reduce_grads`` on reduces the accumulated sum
+in one reduce-scatter. Gradients accumulate in the parameter dtype; with a
+different reduce dtype ``hold_unsharded_grads`` moves them aside into that
+dtype (once per micro-batch), as upstream accumulates them.
 
 [Note: Gradient accumulation dtype]
 From torch 2.15 upstream makes autograd accumulate an unsharded gradient in
@@ -74,7 +90,8 @@ everywhere gets a zero gradient.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -84,49 +101,83 @@ from ..errors import FSDPAssertionError
 from ..versions import ACCUMULATE_IN_GRAD_DTYPE
 from . import collectives
 from .comm_memory import effective
+from .group_settings import ReductionSettings
+from .mesh import FSDPMeshInfo
+from .mixed_precision import GroupDtypes
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
+from .staged_collectives import ReduceScatter
 
 
 class GradientReduction:
     """Reduce a group's unsharded gradients onto its sharded parameters."""
 
-    def _hold_unsharded_grads(self) -> None:
-        """Keep the unsharded gradients for the next backward to add to.
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        mesh_info: FSDPMeshInfo,
+        device: torch.device,
+        dtypes: Callable[[], GroupDtypes],
+        alone: bool,
+        offload: bool,
+        pin_memory: bool,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self.mesh_info = mesh_info
+        self.device = device
+        # The group's dtypes as they are now: it resolves them again whenever its
+        # parameters are replaced (e.g. module.to(torch.bfloat16)).
+        self._dtypes = dtypes
+        # One rank, nothing to communicate: see [Note: Forcing collectives on one rank]
+        self.alone = alone
+        # Reduced gradients go back to the host, asynchronously where pinned: see
+        # [Note: CPU offload] in param_group.py.
+        self.offload = offload
+        self.pin_memory = pin_memory
+        self.settings = ReductionSettings()
+        self._reduce_plan: ReducePlan | None = None  # for the last reduce dtype
+        # HSDP with the all-reduce off: shard-reduced gradients waiting for it.
+        self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
+        self._grad_offload_event: torch.Event | None = None
 
-        See [Note: Gradient accumulation without sync]. They stay in the
-        parameter dtype on the unsharded parameters' ``.grad``, unless a
-        different reduce dtype is set: then they are kept in it (see
-        [Note: Gradient accumulation dtype]).
-        """
-        reduce_dtype = self.reduce_dtype
-        if reduce_dtype is None or reduce_dtype == (self.param_dtype or self.orig_dtype):
-            return
-        if ACCUMULATE_IN_GRAD_DTYPE:
-            self._set_grad_dtypes(defer=False)
-            return
-        for p in self.fsdp_params:
-            p.hold_grad_in(reduce_dtype)
+    # ---- settings ----------------------------------------------------------------
 
-    def _set_grad_dtypes(self, defer: bool) -> None:
-        """Set each unsharded parameter's ``grad_dtype``; see [Note: Gradient accumulation dtype]."""
-        if not ACCUMULATE_IN_GRAD_DTYPE or self.reduce_dtype is None:
-            return
-        for p in self.fsdp_params:
-            p.set_grad_dtype(self.reduce_dtype, defer, self.reduce_grads)
+    def set_requires_gradient_sync(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, reduce_grads=enabled)
+
+    def set_requires_all_reduce(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, all_reduce_grads=enabled)
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
-        self._gradient_divide_factor = factor
+        self.settings = replace(self.settings, gradient_divide_factor=factor)
         self._reduce_plan = None
 
     def set_force_sum_reduction(self, enable: bool) -> None:
-        self._force_sum_reduction = enable
+        self.settings = replace(self.settings, force_sum_reduction=enable)
         self._reduce_plan = None
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None] | None, stream: torch.Stream | None
+    ) -> None:
+        """Set (``None``: remove) the hook; ``stream=None`` keeps a stream given before, as upstream."""
+        if stream is None:
+            stream = self.settings.all_reduce_hook_stream
+        self.settings = replace(self.settings, all_reduce_hook=hook, all_reduce_hook_stream=stream)
+
+    def set_reduce_scatter_comm(self, comm: ReduceScatter | None) -> None:
+        """A custom or built-in reduce-scatter comm; ``None``: the default collective."""
+        self.settings = replace(self.settings, reduce_scatter_comm=comm)
+
+    def set_reduce_scatter_unused_params(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, reduce_scatter_unused_params=enabled)
+
+    def set_reduce_scatter_max_input_buffers(self, count: int) -> None:
+        self.settings = replace(self.settings, reduce_scatter_max_input_buffers=count)
 
     @property
     def reduce_scatter_group(self) -> dist.ProcessGroup:
         """The reduce-scatter's group: the shard group, or its own (see below)."""
-        group = self.reduce_scatter_process_group
+        group = self.settings.reduce_scatter_process_group
         return group if group is not None else self.mesh_info.shard_process_group
 
     def set_separate_reduce_scatter_group(
@@ -140,56 +191,61 @@ class GradientReduction:
         ``FSDPModule`` method); only the members create it.
         """
         if not enable:
-            self.reduce_scatter_process_group = None
+            self.settings = replace(self.settings, reduce_scatter_process_group=None)
             return
         ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_process_group))
         if ranks not in new_groups:
-            existing = self.reduce_scatter_process_group  # already separate: keep it
+            existing = self.settings.reduce_scatter_process_group  # already separate: keep it
             new_groups[ranks] = existing if existing is not None else dist.new_group(
                 list(ranks), use_local_synchronization=True
             )
-        self.reduce_scatter_process_group = new_groups[ranks]
+        self.settings = replace(self.settings, reduce_scatter_process_group=new_groups[ranks])
 
-    def fill_unused_grads(
-        self,
-        fsdp_params: list[FSDPParam],
-        grads: list[torch.Tensor | None],
-        ran: Collection[nn.Module] | None = None,
-    ) -> set[FSDPParam]:
-        """Fill this rank's missing gradients with ``-0.0``; returns the parameters filled.
+    # ---- the gradients of a backward ---------------------------------------------
 
-        Nothing is filled when this rank has no gradient in the group (it
-        takes no part in the reduction). ``ran``: for a group of several
-        modules, the modules run in the use being reduced; only their
-        parameters are filled (``None``: every parameter). See [Note:
-        Gradients of parameters used on some ranks].
+    def hold_unsharded_grads(self) -> None:
+        """Keep the unsharded gradients for the next backward to add to.
+
+        See [Note: Gradient accumulation without sync]. They stay in the
+        parameter dtype on the unsharded parameters' ``.grad``, unless a
+        different reduce dtype is set: then they are kept in it (see
+        [Note: Gradient accumulation dtype]).
         """
-        missing = [i for i, grad in enumerate(grads) if grad is None]
-        if not missing or len(missing) == len(grads):
-            return set()
-        if ran is not None:
-            inside = _params_of(fsdp_params, ran)
-            missing = [i for i in missing if fsdp_params[i] in inside]
-        filled = set()
-        for i in missing:
-            grads[i] = fsdp_params[i].negative_zero_grad()
-            if grads[i] is not None:
-                filled.add(fsdp_params[i])
-        return filled
+        dtypes = self._dtypes()
+        if dtypes.reduce is None or dtypes.reduce == (dtypes.param or dtypes.orig):
+            return
+        if ACCUMULATE_IN_GRAD_DTYPE:
+            self.set_grad_dtypes(defer=False)
+            return
+        for p in self.fsdp_params:
+            p.hold_grad_in(dtypes.reduce)
 
-    def zero_unused_grads(
-        self, fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]
-    ) -> None:
-        """``set_reduce_scatter_unused_params(True)``: zeros for trainable params with no grad.
+    def set_grad_dtypes(self, defer: bool) -> None:
+        """Set each unsharded parameter's ``grad_dtype``; see [Note: Gradient accumulation dtype]."""
+        reduce_dtype = self._dtypes().reduce
+        if not ACCUMULATE_IN_GRAD_DTYPE or reduce_dtype is None:
+            return
+        for p in self.fsdp_params:
+            p.set_grad_dtype(reduce_dtype, defer, self.settings.reduce_grads)
 
-        Every rank then reduce-scatters the same parameters, whichever ones its
-        own backward reached (conditional computation: mixture of experts,
-        multi-modal branches), as DDP's ``find_unused_parameters``. A parameter
-        never all-gathered has nothing to reduce.
+    def take_grads(
+        self, ran: Collection[nn.Module] | None
+    ) -> tuple[list[FSDPParam], list[torch.Tensor], set[FSDPParam]]:
+        """Take the unsharded gradients to reduce off the parameters.
+
+        Returns the parameters with a gradient, their gradients, and those
+        whose gradient this rank filled with ``-0.0`` (see [Note: Gradients of
+        parameters used on some ranks]; ``ran`` as ``_fill_unused`` takes it).
         """
-        for i, (p, grad) in enumerate(zip(fsdp_params, grads)):
-            if grad is None:
-                grads[i] = p.zero_unsharded_grad()
+        taken = [p.take_unsharded_grad() for p in self.fsdp_params]
+        self.set_grad_dtypes(defer=False)
+        filled: set[FSDPParam] = set()
+        if self.settings.reduce_scatter_unused_params:
+            _zero_unused(self.fsdp_params, taken)
+        elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:
+            filled = _fill_unused(self.fsdp_params, taken, ran)
+        with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
+        return with_grad, [grad for grad in taken if grad is not None], filled
 
     def _plan_for(self, dtype: torch.dtype) -> ReducePlan:
         plan = self._reduce_plan
@@ -198,35 +254,46 @@ class GradientReduction:
             plan = plan_gradient_reduction(
                 dtype,
                 self.mesh_info.shard_mesh_size,
-                self._gradient_divide_factor,
-                self._force_sum_reduction,
+                self.settings.gradient_divide_factor,
+                self.settings.force_sum_reduction,
                 backend_supports_premul_sum(group, self.device),
             )
             self._reduce_plan = plan
         return plan
 
-    def _reduce_scatter(
+    def reduce_scatter(
         self,
         fsdp_params: list[FSDPParam],
         grads: list[torch.Tensor],
-        filled: set[FSDPParam] = frozenset(),
+        filled: set[FSDPParam],
+        shard_device: torch.device,
+        module_fqn: str,
     ) -> None:
         """Reduce ``grads`` onto ``fsdp_params``' sharded gradients.
 
+        ``grads`` is emptied once copied in, so the gradients are freed early.
         ``filled``: the parameters whose gradient this rank filled with
         ``-0.0`` (see [Note: Gradients of parameters used on some ranks]).
+        ``shard_device``: where the sharded parameters are (CPU offload);
+        ``module_fqn``: the group's name, for errors.
         """
         world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
-        if not hsdp and self.all_reduce_hook is None and self.all_reduce_hook_stream is not None:
+        settings = self.settings
+        if (
+            not hsdp
+            and settings.all_reduce_hook is None
+            and settings.all_reduce_hook_stream is not None
+        ):
             raise FSDPAssertionError(
                 "all reduce hook stream is specified but hook itself is missing.\n"
-                f"{repr(self.module_fqn) if self.module_fqn else 'The root module'} has an "
+                f"{repr(module_fqn) if module_fqn else 'The root module'} has an "
                 "all-reduce hook stream (set_all_reduce_hook(..., stream=...)) but its hook is "
                 "None; set a hook again before backward"
             )
+        group_dtypes = self._dtypes()
         dtypes = {g.dtype for g in grads}
-        reduce_dtype = self.reduce_dtype or functools.reduce(torch.promote_types, dtypes)
+        reduce_dtype = group_dtypes.reduce or functools.reduce(torch.promote_types, dtypes)
         if len(dtypes) > 1:  # held (accumulated) and fresh ones, or kept and cast parameters
             # one dtype for chunk_cat, which itself converts them to the reduce dtype
             grads[:] = [g.to(reduce_dtype) for g in grads]
@@ -239,15 +306,15 @@ class GradientReduction:
                 identity
                 and not hsdp
                 and not self.offload
-                and self.all_reduce_hook is None
+                and self.settings.all_reduce_hook is None
                 and plan.pre_factor is None
                 and plan.post_factor is None
-                and all(g.dtype == self.orig_dtype for g in grads)
+                and all(g.dtype == group_dtypes.orig for g in grads)
             ):  # the mean over one rank is the gradient itself
                 for p, grad in zip(fsdp_params, grads):
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
-            comm = effective(self.reduce_scatter_comm) if not identity else None
+            comm = effective(self.settings.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
                 numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
@@ -269,17 +336,17 @@ class GradientReduction:
             else:
                 output = rs_input.new_empty(rs_input.numel() // world_size)
                 collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
-            if self.all_reduce_hook is not None and not hsdp:
+            if self.settings.all_reduce_hook is not None and not hsdp:
                 self._call_all_reduce_hook(output)
             if plan.post_factor is not None:
                 output.div_(plan.post_factor)
             if hsdp:
                 if not self._all_reduce(output, fsdp_params, filled):
                     return
-                if self.all_reduce_hook is not None:  # HSDP: after the all-reduce
+                if self.settings.all_reduce_hook is not None:  # HSDP: after the all-reduce
                     self._call_all_reduce_hook(output)
             unused = _unused_everywhere(output, fsdp_params, filled) if filled else ()
-            output = self._to_sharded_grad_storage(output, fsdp_params)
+            output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
             for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
                 if p not in unused:
                     p.accumulate_sharded_grad(local)
@@ -298,7 +365,7 @@ class GradientReduction:
         kept with them (see [Note: Gradients of parameters used on some ranks]).
         """
         blocks = collectives.padded_blocks(output, fsdp_params)
-        if not self.all_reduce_grads:
+        if not self.settings.all_reduce_grads:
             for p, block in zip(fsdp_params, blocks):
                 partial = self._partial_grads.get(p)
                 self._partial_grads[p] = block if partial is None else partial.add_(block)
@@ -310,23 +377,29 @@ class GradientReduction:
         collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
         return True
 
+    @property
+    def holds_partial_reduction(self) -> bool:
+        """HSDP with all-reduce off: reduce-scattered gradients wait for their all-reduce."""
+        return bool(self._partial_grads)
+
     def _to_sharded_grad_storage(
-        self, reduced: torch.Tensor, fsdp_params: list[FSDPParam]
+        self, reduced: torch.Tensor, fsdp_params: list[FSDPParam], shard_device: torch.device
     ) -> torch.Tensor:
         """The reduced flat gradient in the sharded parameters' dtype and device.
 
         One cast (mixed precision) and, with CPU offload, one device-to-host copy
         for the whole group; no-ops when nothing differs. See [Note: CPU offload].
         """
-        device = self.sharded_flat.device if self.offload else reduced.device
-        if reduced.dtype == self.orig_dtype and reduced.device == device:
+        orig_dtype = self._dtypes().orig
+        device = shard_device if self.offload else reduced.device
+        if reduced.dtype == orig_dtype and reduced.device == device:
             return reduced
         non_blocking = (
-            self._pin_memory
+            self.pin_memory
             and reduced.device != device
             and all(p.sharded_param.grad is None for p in fsdp_params)
         )
-        result = reduced.to(device=device, dtype=self.orig_dtype, non_blocking=non_blocking)
+        result = reduced.to(device=device, dtype=orig_dtype, non_blocking=non_blocking)
         if non_blocking:
             self._grad_offload_event = torch.Event(device=reduced.device)
             self._grad_offload_event.record()
@@ -339,7 +412,7 @@ class GradientReduction:
             self._grad_offload_event = None
 
     def _call_all_reduce_hook(self, output: torch.Tensor) -> None:
-        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        hook, stream = self.settings.all_reduce_hook, self.settings.all_reduce_hook_stream
         if stream is None or self.device.type == "cpu":
             hook(output)  # CPU has a single stream: nothing to order
             return
@@ -349,6 +422,46 @@ class GradientReduction:
         with device_module.stream(stream):
             hook(output)
         current.wait_stream(stream)
+
+
+def _fill_unused(
+    fsdp_params: list[FSDPParam],
+    grads: list[torch.Tensor | None],
+    ran: Collection[nn.Module] | None = None,
+) -> set[FSDPParam]:
+    """Fill this rank's missing gradients with ``-0.0``; returns the parameters filled.
+
+    Nothing is filled when this rank has no gradient in the group (it
+    takes no part in the reduction). ``ran``: for a group of several
+    modules, the modules run in the use being reduced; only their
+    parameters are filled (``None``: every parameter). See [Note:
+    Gradients of parameters used on some ranks].
+    """
+    missing = [i for i, grad in enumerate(grads) if grad is None]
+    if not missing or len(missing) == len(grads):
+        return set()
+    if ran is not None:
+        inside = _params_of(fsdp_params, ran)
+        missing = [i for i in missing if fsdp_params[i] in inside]
+    filled = set()
+    for i in missing:
+        grads[i] = fsdp_params[i].negative_zero_grad()
+        if grads[i] is not None:
+            filled.add(fsdp_params[i])
+    return filled
+
+
+def _zero_unused(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]) -> None:
+    """``set_reduce_scatter_unused_params(True)``: zeros for trainable params with no grad.
+
+    Every rank then reduce-scatters the same parameters, whichever ones its
+    own backward reached (conditional computation: mixture of experts,
+    multi-modal branches), as DDP's ``find_unused_parameters``. A parameter
+    never all-gathered has nothing to reduce.
+    """
+    for i, (p, grad) in enumerate(zip(fsdp_params, grads)):
+        if grad is None:
+            grads[i] = p.zero_unsharded_grad()
 
 
 def _unused_everywhere(

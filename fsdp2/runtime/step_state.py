@@ -1,0 +1,64 @@
+"""What the training steps do to a parameter group: its phase, gathered parameters, uses.
+
+``FSDPParamGroup`` holds what a group *is* (its parameters, flat buffer,
+modules, meshes, policies); what forward and backward do to it lives in one
+``StepState`` it owns, so where a group stands is read in one place and a
+failed step is forgotten field by field (``FSDPParamGroup.reset_iter_state``).
+``IterContext`` is shared by every group under one root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .staged_collectives import StagedAllGather
+
+if TYPE_CHECKING:
+    from .param_group import FSDPParamGroup
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between uses
+    FORWARD = auto()  # inside the forward of one of the group's modules
+    PRE_BACKWARD = auto()  # unsharded for backward, gradients being computed
+    POST_BACKWARD = auto()  # gradients reduced (for this use)
+
+
+class IterContext:
+    """Per-root state shared by all groups under it for one iteration."""
+
+    def __init__(self) -> None:
+        self.post_forward_order: list[FSDPParamGroup] = []
+
+
+@dataclass(eq=False)
+class StepState:
+    """One group's progress through forward and backward; changed by the group only."""
+
+    training_state: TrainingState = TrainingState.IDLE
+    # Gathered parameters (FSDPParamGroup.unshard / reshard).
+    is_unsharded: bool = False
+    # (work, all-gather output, input kept alive until the work is done)
+    pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+    pending_staged: StagedAllGather | None = None
+    # This rank's share over the post-forward group; see [Note: Resharding to a
+    # smaller group after forward] in param_group.py.
+    post_forward_flat: torch.Tensor | None = None
+    # Where each use of this iteration sits in IterContext.post_forward_order,
+    # popped by backward prefetching.
+    post_forward_indices: list[int] = field(default_factory=list)
+    # Groups of several modules: the modules run in the current use, and those of
+    # the uses with no post-backward node of their own (inputs that need no grad)
+    # whose gradients are not reduced yet. See [Note: Gradients of parameters used
+    # on some ranks] in reduction.py.
+    use: set[nn.Module] | None = None
+    uses_without_node: list[set[nn.Module]] = field(default_factory=list)
+    # Gradients held unreduced (sync off) or not reached by autograd under
+    # manual finalization: FSDPModule.finalize_backward reduces them.
+    post_backward_pending: bool = False
