@@ -58,18 +58,17 @@ def check_cost_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
     import torch
     from bench_materialize import _lazy_init_seconds
     from common import cpu_mesh
-    from model import _examples_module
+    from model import ModelArgs, Transformer
 
     from fsdp2 import fully_shard
     from fsdp2.runtime import divergence
     from fsdp2.runtime.hooks import state_of
 
-    module = _examples_module()
     mesh = cpu_mesh()
     lazy, check, local = [], [], []
     for _ in range(reps):
         with torch.device("meta"):
-            model = module.Transformer(module.ModelArgs(**shape))
+            model = Transformer(ModelArgs(**shape))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)

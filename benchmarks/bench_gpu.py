@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from common import fully_shard_of, make_optim
 from instruments import COPY_OPS, CopyCounter
-from model import batch, model_loss, model_source
+from model import MODEL_SOURCE, batch, model_loss
 from torch.distributed.device_mesh import init_device_mesh
 
 FORCE_ENV = "FSDP2_FORCE_COLLECTIVES"
@@ -54,15 +54,11 @@ def _sync(device: torch.device) -> None:
 def _build(impl: str, cfg: dict, device: torch.device):
     """``impl``'s model on ``device`` (sharded with bf16 mixed precision, or plain bf16)
     and its number of parameters."""
-    from model import _args_for, _examples_module
+    from model import ModelArgs, Transformer
 
-    module = _examples_module()
-    if module is None:
-        raise RuntimeError("benchmarks/gpu.py needs examples/model.py (init_weights, meta init)")
-    shape = {**cfg["shape"], "max_seq_len": cfg["seq"]}
-    args = _args_for(module.ModelArgs, shape)
+    args = ModelArgs(**{**cfg["shape"], "max_seq_len": cfg["seq"]})
     with torch.device("meta"):
-        model = module.Transformer(args)
+        model = Transformer(args)
     n_params = sum(p.numel() for p in model.parameters())
     if impl == "plain":
         model.to_empty(device=device)
@@ -176,5 +172,5 @@ def step_body(rank: int, world_size: int, cfg: dict, device_type: str, impls: li
         "forced_collectives": forced,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "model": model_source(),
+        "model": MODEL_SOURCE,
     }

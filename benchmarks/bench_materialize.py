@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn as nn
 from common import FSDP_IMPLS, cpu_mesh, fully_shard_of, rotated
-from model import _examples_module
+from model import ModelArgs, Transformer
 
 LLAMA_70B = {
     "dim": 8192,
@@ -103,8 +103,7 @@ def _lazy_init_seconds(impl: str, model: nn.Module) -> tuple[float, float]:
 
 
 def materialize_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
-    module = _examples_module()
-    args, transformer = module.ModelArgs(**shape), module.Transformer
+    args, transformer = ModelArgs(**shape), Transformer
     mesh = cpu_mesh()
     times: dict[str, dict[str, list[float]]] = {
         impl: {"fully_shard": [], "to_empty": [], "to_empty_init": [], "lazy_init": [],

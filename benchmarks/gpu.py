@@ -38,7 +38,9 @@ from report import markdown, ratio_row, row, write_json, write_png  # noqa: E402
 
 # ~1.04B parameters: 18 blocks of 50.3M (dim 2048, SwiGLU 5632), embedding and head 65.5M each.
 GPU = {
-    "shape": {"vocab_size": 32000, "dim": 2048, "n_layers": 18, "n_heads": 16, "ffn_dim": 5632},
+    "shape": {
+        "vocab_size": 32000, "dim": 2048, "n_layers": 18, "n_heads": 16, "ffn_hidden_dim": 5632,
+    },
     "batch": 2,
     "seq": 1024,
     "warmup": 3,
@@ -48,7 +50,7 @@ GPU = {
     "timeout": 600,
 }
 SMOKE = {
-    "shape": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 96},
+    "shape": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 96},
     "batch": 1,
     "seq": 16,
     "warmup": 1,

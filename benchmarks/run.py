@@ -33,7 +33,7 @@ from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
-from model import BENCH_SHAPE, model_source  # noqa: E402
+from model import BENCH_SHAPE, MODEL_SOURCE  # noqa: E402
 from report import markdown, write_json, write_png  # noqa: E402
 from summary import NOTES, build_rows, profile_text  # noqa: E402
 
@@ -49,13 +49,15 @@ FULL = {
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
     "ckpt_reps": 6,
-    "muon_shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
+    "muon_shape": {
+        "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
+    },
     "muon_reps": 5,
     "divergence_world_size": 16384,
     "timeout": 420,
 }
 QUICK = {
-    "shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_dim": 704},
+    "shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
     "batch": 1,
     "seq": 32,
     "warmup": 1,
@@ -66,7 +68,9 @@ QUICK = {
     "materialize_shape": {**LLAMA_70B, "n_layers": 8},
     "materialize_reps": 1,
     "ckpt_reps": 2,
-    "muon_shape": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 352},
+    "muon_shape": {
+        "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
+    },
     "muon_reps": 2,
     "divergence_world_size": 1024,
     "timeout": 120,
@@ -94,7 +98,7 @@ def main() -> None:
     started = time.monotonic()
     raw: dict = {
         "config": cfg,
-        "model": model_source(),
+        "model": MODEL_SOURCE,
         "world_size": WORLD_SIZE,
         "torch": torch.__version__,
         "load_average_at_start": os.getloadavg(),

@@ -32,6 +32,11 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    tie_weights: bool = False  # output head shares the token embedding's weight
+    # False: the RoPE tables are computed in each forward, not kept as buffers, so the
+    # model holds parameters only and any state dict covers it (e.g. one loaded into a
+    # model built on meta, which then needs no init_weights)
+    rope_buffers: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -66,22 +71,23 @@ class Attention(nn.Module):
         super().__init__()
         if args.dim % args.n_heads:
             raise ValueError(f"dim={args.dim} is not a multiple of n_heads={args.n_heads}")
-        self.n_heads = args.n_heads
+        self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        # (batch, seq, dim) -> (batch, heads, seq, head_dim)
+        batch, seq, _ = x.shape
+        # (batch, seq, dim) -> (batch, heads, seq, head_dim); -1 heads: under tensor
+        # parallelism wq/wk/wv hold a subset of the heads on each rank
         q, k, v = (
-            w(x).view(batch, seq, self.n_heads, -1).transpose(1, 2)
+            w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -118,9 +124,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Derived from args, so not saved in state_dict; init_weights fills them.
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if args.tie_weights:
+            self.output.weight = self.tok_embeddings.weight
+        if args.rope_buffers:
+            # Derived from args, so not saved in state_dict; init_weights fills them.
+            self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -135,17 +144,26 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Linear | nn.Embedding):
                 std = residual_std if name.endswith((".wo", ".w2")) else args.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-        device = self.tok_embeddings.weight.device
-        self.rope_cos, self.rope_sin = rope_tables(
-            args.head_dim, args.max_seq_len, args.rope_theta, device=device
-        )
+        if args.rope_buffers:
+            device = self.tok_embeddings.weight.device
+            self.rope_cos, self.rope_sin = rope_tables(
+                args.head_dim, args.max_seq_len, args.rope_theta, device=device
+            )
+
+    def rope(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the first ``seq`` positions' angles, each ``(seq, head_dim // 2)``."""
+        if self.args.rope_buffers:
+            return self.rope_cos[:seq], self.rope_sin[:seq]
+        args = self.args
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+        return cos[:seq], sin[:seq]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (batch, seq) of ids -> logits (batch, seq, vocab_size)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} > max_seq_len={self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope(seq, tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)

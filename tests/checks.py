@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _multiproc import RankError, run_ranks
-from models import assert_grads_match, global_mean, rank_slice
+from models import assert_grads_match, full, global_mean, rank_slice
 from torch.distributed.tensor import DTensor, Shard
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -55,28 +55,63 @@ def assert_nested_close(got, expected, where, rtol=RTOL, atol=ATOL):
 
 
 def make_opts(ref, model, lr=1e-2):
-    """AdamW for the reference and for the sharded model (built on its current parameters)."""
-    return torch.optim.AdamW(ref.parameters(), lr=lr), torch.optim.AdamW(model.parameters(), lr=lr)
+    """AdamW for the reference and for the sharded model (built on its current parameters).
+
+    ``ref`` may be None (no reference): its optimizer is then None too.
+    """
+    ref_opt = None if ref is None else torch.optim.AdamW(ref.parameters(), lr=lr)
+    return ref_opt, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None):
-    """Train ref on full batches and model on rank slices; return (ref losses, global losses)."""
+def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, mean=True,
+                record=None):
+    """The tests' training loop: one optimizer step per batch; (reference losses, losses).
+
+    ``model`` trains on rank ``rank``'s slice of each batch (``rank=None``: on the
+    whole batch, e.g. an unsharded run); ``ref``, unless None, on the whole batch,
+    and after every backward the reduced gradients must equal the reference's.
+    ``opts``: (reference optimizer or None, model optimizer), AdamW by default.
+    ``losses`` are global means over the ranks (``mean=False`` or ``rank=None``:
+    this rank's own); the reference losses are ``[]`` without a reference.
+
+    ``record``: a context-manager factory (``count_collectives``,
+    ``record_collective_bytes``, ...) entered around each step's forward and
+    backward of ``model``; what it yields, one per step, comes back as a third
+    item.
+    """
     ref_opt, opt = make_opts(ref, model) if opts is None else opts
-    ref_losses, losses = [], []
+    ref_losses, losses, records = [], [], []
     for batch in batches:
-        ref_loss = loss_fn(ref, batch)
-        ref_loss.backward()
-        loss = loss_fn(model, rank_slice(batch, rank, world_size))
-        loss.backward()
-        # AdamW hides gradient-scale errors; compare the reduced grads directly
-        assert_grads_match(ref, model, RTOL, ATOL)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        if ref is not None:
+            ref_loss = loss_fn(ref, batch)
+            ref_loss.backward()
+        part = batch if rank is None else rank_slice(batch, rank, world_size)
+        with record() if record is not None else contextlib.nullcontext() as recorded:
+            loss = loss_fn(model, part)
+            loss.backward()
+        records.append(recorded)
+        if ref is not None:
+            # AdamW hides gradient-scale errors; compare the reduced grads directly
+            assert_grads_match(ref, model, RTOL, ATOL)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(ref_loss.item())
         opt.step()
         opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-        losses.append(global_mean(loss).item())
-    return ref_losses, losses
+        local = rank is None or not mean
+        losses.append(loss.item() if local else global_mean(loss).item())
+    return (ref_losses, losses, records) if record is not None else (ref_losses, losses)
+
+
+def train_alone(model, batches, loss_fn, rank=None, world_size=1, opt=None, *, mean=True):
+    """``train_steps`` without a reference: the model's losses alone."""
+    opts = None if opt is None else (None, opt)
+    return train_steps(None, model, batches, loss_fn, rank, world_size, opts, mean=mean)[1]
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name as a full plain tensor (sharded or not), detached copies."""
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def assert_losses_match(ref_losses, losses):
@@ -183,6 +218,14 @@ def count_collectives(log: list | None = None):
 
 
 @contextlib.contextmanager
+def log_collectives():
+    """``count_collectives``'s log alone: one ``(kind, numel[, op])`` entry per call, in order."""
+    log: list = []
+    with count_collectives(log):
+        yield log
+
+
+@contextlib.contextmanager
 def record_collectives():
     """Record ``(kind, group size)`` of every public all-gather / reduce-scatter / all-reduce."""
     calls: list[tuple[str, int]] = []
@@ -194,22 +237,50 @@ def record_collectives():
         yield calls
 
 
-_LAUNCHES: dict = {}
+class Launches:
+    """Named cases batched into multi-rank launches, each launch run once, at first use.
 
+    The ``launch_cases`` fixture (conftest.py, module scope) gives each test
+    module its own ``Launches``: ``launch_cases(world_size, cases)`` runs the
+    dict of named ``case(rank, world_size)`` bodies (see ``run_cases``) in one
+    launch, and later tests of the module asking for the same case names (and
+    launch options) read that launch's outcome; ``check_case`` turns one case's
+    outcome into a pass or a failure. Outcomes live as long as the module's
+    tests, not in a module global: a rerun (``-k``, another xdist worker)
+    launches afresh, and nothing stale is shared across modules.
 
-def launch_cases(key: object, world_size: int, cases: dict, **launch) -> tuple[bool, object]:
-    """Run ``cases`` (see ``run_cases``) in one launch per ``key``, reused by later tests.
-
-    Returns ``(True, per-rank results)`` or ``(False, the launch's error text)``;
-    ``check_case`` turns one case's outcome into a pass or a failure. ``launch``
-    goes to ``run_ranks`` (``timeout``, ``backend``).
+    Cases are batched because a launch costs seconds (fork, process group,
+    first lazy init): one per test would multiply the suite's time. A case that
+    fails an assertion fails its own test only: the ranks catch it and go on
+    with the next case in step. A launch that crashes or times out
+    (``RankError``) leaves no outcome for any of its cases, so every test
+    reading one of them fails with the launch's error, and no other test does.
     """
-    if key not in _LAUNCHES:
-        try:
-            _LAUNCHES[key] = (True, run_ranks(run_cases, world_size, cases, **launch))
-        except RankError as e:
-            _LAUNCHES[key] = (False, str(e))
-    return _LAUNCHES[key]
+
+    def __init__(self) -> None:
+        self._outcomes: dict = {}
+
+    def __call__(self, world_size: int, cases: dict, *, key: object = (), **launch):
+        """``(True, per-rank outcomes)`` or ``(False, the launch's error text)``.
+
+        ``launch`` goes to ``run_ranks`` (``timeout``, ``backend``). Case names
+        identify the cases: a module gives one name one body, or tells bodies
+        that differ by something else apart with ``key`` (e.g. a folder they read).
+        """
+        return self.run(run_cases, world_size, cases, key=(tuple(cases), key), **launch)
+
+    def run(self, body, world_size: int, *args, key: object = (), **launch):
+        """``run_ranks(body, world_size, *args, **launch)`` once per (body, world size, key)."""
+        k = (body.__module__, body.__qualname__, world_size, key, tuple(sorted(launch.items())))
+        if k not in self._outcomes:
+            try:
+                self._outcomes[k] = (True, run_ranks(body, world_size, *args, **launch))
+            except RankError as e:
+                self._outcomes[k] = (False, str(e))
+        return self._outcomes[k]
+
+    def clear(self) -> None:
+        self._outcomes.clear()
 
 
 def run_cases(rank: int, world_size: int, cases: dict) -> dict:

@@ -225,7 +225,11 @@ def train(
 def train_reference(ref: nn.Module, setup: Setup, world_size: int) -> Trained:
     """The unsharded model on the whole batch; bf16: compute copy in bf16, fp32 master."""
     out, opt = Trained(), _optimizer(ref)
-    compute = copy.deepcopy(ref).to(torch.bfloat16) if setup.dtype == "bf16" else ref
+    compute = ref
+    if setup.dtype == "bf16":
+        compute = copy.deepcopy(ref).to(torch.bfloat16)
+        for layer in compute.layers:  # as param_dtype casts a block's inputs (the RoPE tables too)
+            layer.register_forward_pre_hook(_floating_args_to_bf16)
     for step in range(STEPS):
         batch = transformer_batch(step, PER_RANK_BATCH * world_size)
         batch = tuple(t.to(setup.device) for t in batch)
@@ -243,6 +247,10 @@ def train_reference(ref: nn.Module, setup: Setup, world_size: int) -> Trained:
         _plain_step(opt, ref)
     out.params = _snapshot(ref.named_parameters())
     return out
+
+
+def _floating_args_to_bf16(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.to(torch.bfloat16) if torch.is_floating_point(a) else a for a in args)
 
 
 def assert_trained_close(got: Trained, expected: Trained, dtype: str, what: str) -> None:

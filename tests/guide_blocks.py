@@ -97,10 +97,7 @@ def fixtures(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
         return build_transformer(seed=0)
 
     def init_weights(model: nn.Module) -> None:
-        with torch.no_grad():
-            for module in model.modules():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+        model.init_weights()  # the demo model's own: every parameter and the RoPE tables
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = build_model()

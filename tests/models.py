@@ -2,12 +2,16 @@
 
 Sizes are deliberately odd (7, 13, 5, 3, 1, 17 ...) so that dim 0 of most
 parameters does not divide evenly over 2, 3 or 4 ranks, and some ranks own
-zero rows of some parameters.
+zero rows of some parameters. The transformer is the demo's small Llama
+(examples/model.py) at a toy size; the sharding recipes are ``shard_groups``
+and its model-specific wrappers.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -16,6 +20,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+# The one small Llama: examples/model.py, imported as the examples import it.
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if _EXAMPLES not in sys.path:
+    sys.path.insert(0, _EXAMPLES)
+import model as _demo  # noqa: E402
+
+ModelArgs, Transformer = _demo.ModelArgs, _demo.Transformer
+# its module classes, by the names the guide pages and the tests' wrap policies use
+Block, Attention, FeedForward = _demo.TransformerBlock, _demo.Attention, _demo.FeedForward
+RMSNorm = nn.RMSNorm
 
 # ---------------------------------------------------------------- MLP
 
@@ -123,10 +138,7 @@ def chain_batch(step: int, batch: int, seed: int = 99):
 
 def shard_chain(model: Chain, fully_shard, **kwargs) -> Chain:
     """fully_shard each layer, then the root (which holds ``head``)."""
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return shard_groups(model, fully_shard, model.layers, **kwargs)
 
 
 def group_numel(module: nn.Module, world_size: int, exclude=()) -> int:
@@ -149,100 +161,38 @@ def chain_group_names(model: Chain, world_size: int) -> dict[int, str]:
 
 
 # ---------------------------------------------------------------- transformer
+# The demo's Llama (examples/model.py: RoPE attention, SwiGLU, nn.RMSNorm), at a
+# toy size: vocab 17, dim 8, 2 heads, 2 blocks, feed-forward hidden 11.
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+def toy_args(
+    vocab: int = 17,
+    dim: int = 8,
+    n_heads: int = 2,
+    n_layers: int = 2,
+    hidden: int = 11,
+    tie_weights: bool = False,
+) -> ModelArgs:
+    """The toy Transformer's ``ModelArgs`` (``hidden`` is the feed-forward's width).
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return norm * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.n_heads = n_heads
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            # -1 heads: under tensor parallelism each rank holds a subset of heads
-            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, n_heads)
-        self.ffn_norm = RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class Transformer(nn.Module):
-    """Llama-style: embedding, ``n_layers`` blocks, final RMSNorm, output head."""
-
-    def __init__(
-        self,
-        vocab: int = 17,
-        dim: int = 8,
-        n_heads: int = 2,
-        n_layers: int = 2,
-        hidden: int = 11,
-        tie_weights: bool = False,
-    ):
-        super().__init__()
-        self.vocab = vocab
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-        if tie_weights:
-            self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+    RoPE tables computed in forward (``rope_buffers=False``): the model holds
+    parameters only, so every state dict covers it (e.g. one loaded into a model
+    built on meta), as the guide pages' flows need.
+    """
+    return ModelArgs(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab, max_seq_len=16,
+        ffn_hidden_dim=hidden, tie_weights=tie_weights, rope_buffers=False,
+    )
 
 
 def build_transformer(seed: int = 0, **kwargs) -> Transformer:
-    """A Transformer whose initial values depend only on ``seed``."""
+    """A toy Transformer (``toy_args(**kwargs)``) whose values depend only on ``seed``.
+
+    The values are the modules' own default init, drawn in the constructor (the
+    scale the tests' tolerances were set for), not the demo's ``init_weights()``.
+    """
     torch.manual_seed(seed)
-    return Transformer(**kwargs)
+    return Transformer(toy_args(**kwargs))
 
 
 def transformer_batch(step: int, batch: int, seq: int = 6, vocab: int = 17, seed: int = 4321):
@@ -336,17 +286,28 @@ def sharded_state_dict_from(ref: nn.Module, mesh) -> dict[str, torch.Tensor]:
     }
 
 
+def shard_groups(model: nn.Module, fully_shard, groups, **kwargs) -> nn.Module:
+    """The bottom-up recipe: ``fully_shard`` each of ``groups``, then the root ``model``.
+
+    A group is a module or a list of modules sharded together (``fully_shard([a, b])``);
+    every call gets the same ``kwargs``. ``fully_shard`` is fsdp2's, upstream's, or
+    anything called like them.
+    """
+    for group in groups:
+        fully_shard(group, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
 def shard_transformer(model: Transformer, fully_shard, **kwargs) -> Transformer:
     """fully_shard each block, then the root (the usual bottom-up recipe)."""
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return shard_groups(model, fully_shard, model.layers, **kwargs)
 
 
-def shard_mlp(model: MLP, fully_shard, **kwargs) -> MLP:
-    """fully_shard the first two layers separately, then the root (holds out_proj)."""
-    fully_shard(model.in_proj, **kwargs)
-    fully_shard(model.mid_proj, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+def shard_mlp(model: MLP, fully_shard, per_layer: bool = True, **kwargs) -> MLP:
+    """fully_shard the first two layers separately, then the root (holds out_proj).
+
+    ``per_layer=False``: the root alone, one group for all three layers.
+    """
+    groups = [model.in_proj, model.mid_proj] if per_layer else []
+    return shard_groups(model, fully_shard, groups, **kwargs)

@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 from _impl import IMPL
-from checks import check_case, launch_cases
+from checks import check_case
 from models import full, global_mean
 
 import fsdp2
@@ -189,12 +189,12 @@ def _case(ram_efficient: bool):
     return case
 
 
-def test_prepare_model_trains_and_state_dict_like_upstream():
+def test_prepare_model_trains_and_state_dict_like_upstream(launch_cases):
     """fsdp2_prepare_model (auto-wrap), training, get_state_dict: fsdp2 == upstream bitwise == reference."""
-    check_case(launch_cases(__name__, 2, {"prepare": _case(ram_efficient=False)}), "prepare")
+    check_case(launch_cases(2, {"prepare": _case(ram_efficient=False)}), "prepare")
 
 
-def test_cpu_ram_efficient_loading_from_meta_like_upstream():
+def test_cpu_ram_efficient_loading_from_meta_like_upstream(launch_cases):
     """cpu_ram_efficient_loading: meta model + fsdp2_load_full_state_dict from rank 0, then training."""
-    outcome = launch_cases((__name__, "meta"), 2, {"meta": _case(ram_efficient=True)})
+    outcome = launch_cases(2, {"meta": _case(ram_efficient=True)})
     check_case(outcome, "meta")

@@ -12,16 +12,14 @@ import functools
 
 import torch
 from _impl import fully_shard
-from checks import assert_losses_match, check_case, count_collectives, launch_cases, make_opts
+from checks import assert_losses_match, check_case, count_collectives, train_steps
 from models import (
     Transformer,
-    assert_grads_match,
     assert_params_match,
     build_transformer,
     cpu_mesh,
-    global_mean,
     make_pair,
-    rank_slice,
+    toy_args,
     transformer_batch,
     transformer_loss,
 )
@@ -36,38 +34,27 @@ class _OuterCheckpointTransformer(Transformer):
     """Calls ``checkpoint(layer, h)`` around each (already fully_shard-ed) block."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False)
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False)
         return self.output(self.norm(h))
 
 
 def _build(outer: bool) -> Transformer:
     torch.manual_seed(7)
-    return _OuterCheckpointTransformer() if outer else Transformer()
+    return (_OuterCheckpointTransformer if outer else Transformer)(toy_args())
 
 
 def _train_counting(rank, world_size, ref, model):
     """Train a few steps with parity checks; return per-step (all-gathers, reduce-scatters)."""
-    ref_opt, opt = make_opts(ref, model)
-    counts, ref_losses, losses = [], [], []
-    for step in range(STEPS):
-        batch = transformer_batch(step, 2 * world_size)
-        ref_loss = transformer_loss(ref, batch)
-        ref_loss.backward()
-        with count_collectives() as c:
-            loss = transformer_loss(model, rank_slice(batch, rank, world_size))
-            loss.backward()
-        counts.append((c["all_gather"], c["reduce_scatter"]))
-        assert_grads_match(ref, model)
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-        ref_losses.append(ref_loss.item())
-        losses.append(global_mean(loss).item())
+    batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+    ref_losses, losses, counts = train_steps(
+        ref, model, batches, transformer_loss, rank, world_size, record=count_collectives
+    )
     assert_losses_match(ref_losses, losses)
     assert_params_match(ref, model)
-    return counts
+    return [(c["all_gather"], c["reduce_scatter"]) for c in counts]
 
 
 def _case_wrapper_inside(reshard_after_forward, expected_all_gathers):
@@ -136,30 +123,27 @@ CASES = {
     "checkpoint_inside_fn": _case_checkpoint_inside_fn,
 }
 
-def _outcome():
-    return launch_cases(__name__, 2, CASES)
 
-
-def test_checkpoint_wrapper_inside_fully_shard():
+def test_checkpoint_wrapper_inside_fully_shard(launch_cases):
     """checkpoint_wrapper(block) then fully_shard: parity, 2 all-gathers per block per step."""
-    check_case(_outcome(), "wrapper_inside_reshard")
+    check_case(launch_cases(2, CASES), "wrapper_inside_reshard")
 
 
-def test_checkpoint_wrapper_no_reshard_gathers_once():
+def test_checkpoint_wrapper_no_reshard_gathers_once(launch_cases):
     """With reshard_after_forward=False the recompute adds no all-gather: 1 per block per step."""
-    check_case(_outcome(), "wrapper_inside_no_reshard")
+    check_case(launch_cases(2, CASES), "wrapper_inside_no_reshard")
 
 
-def test_checkpoint_outside_fully_shard():
+def test_checkpoint_outside_fully_shard(launch_cases):
     """checkpoint(fsdp_block, h) from the parent: parity and no extra all-gather for recompute."""
-    check_case(_outcome(), "checkpoint_outside")
+    check_case(launch_cases(2, CASES), "checkpoint_outside")
 
 
-def test_checkpoint_outside_full_recompute():
+def test_checkpoint_outside_full_recompute(launch_cases):
     """Recompute without early stop runs FSDP's post-forward in backward: still no extra all-gather."""
-    check_case(_outcome(), "checkpoint_outside_no_early_stop")
+    check_case(launch_cases(2, CASES), "checkpoint_outside_no_early_stop")
 
 
-def test_checkpoint_of_submodule_inside_group():
+def test_checkpoint_of_submodule_inside_group(launch_cases):
     """Checkpointing a submodule inside a sharded block: parity and no extra all-gather."""
-    check_case(_outcome(), "checkpoint_inside_fn")
+    check_case(launch_cases(2, CASES), "checkpoint_inside_fn")

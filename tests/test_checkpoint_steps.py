@@ -19,13 +19,11 @@ import torch
 import torch.distributed as dist
 from _impl import fully_shard
 from _multiproc import RankError, run_ranks
-from checks import ATOL, RTOL
+from checks import ATOL, RTOL, train_alone
 from models import (
     build_transformer,
     cpu_mesh,
     full,
-    global_mean,
-    rank_slice,
     shard_transformer,
     transformer_batch,
     transformer_loss,
@@ -44,16 +42,10 @@ def _build(mesh, seed=31):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(model, optim, first, last, rank, world_size, mean=False):
+def _train_span(model, optim, first, last, rank, world_size, mean=False):
     """Steps first+1 .. last, each on its own batch; this rank's losses (or the global mean)."""
-    losses = []
-    for step in range(first + 1, last + 1):
-        loss = transformer_loss(model, rank_slice(transformer_batch(step, _BATCH), rank, world_size))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append((global_mean(loss) if mean else loss).item())
-    return losses
+    batches = [transformer_batch(step, _BATCH) for step in range(first + 1, last + 1)]
+    return train_alone(model, batches, transformer_loss, rank, world_size, optim, mean=mean)
 
 
 def _snapshot(model):
@@ -93,7 +85,7 @@ def _keep_body(rank, world_size, root):
     assert load_latest(root, model, optim) is None  # no root yet: nothing to load
     snapshots, previous = {}, None
     for step in range(1, 6):
-        _train(model, optim, step - 1, step, rank, world_size)
+        _train_span(model, optim, step - 1, step, rank, world_size)
         snapshots[step] = _snapshot(model)
         gate = _gate_writes() if step == 5 else None
         pending = save_checkpoint(root, model, optim, step=step, keep=2, extra={"note": step},
@@ -105,7 +97,7 @@ def _keep_body(rank, world_size, root):
     # the call returned before step 5 was written; training changes the parameters, then
     # the write goes on: it must write the copy taken at the call
     assert not pending.done()
-    _train(model, optim, 5, 6, rank, world_size)
+    _train_span(model, optim, 5, 6, rank, world_size)
     gate.set()
     assert pending.result() == os.path.join(root, "step-5")
     assert sorted(os.listdir(root)) == ["step-4", "step-5"], os.listdir(root)
@@ -169,19 +161,19 @@ _KILL_POINTS = {
 
 def _uninterrupted_body(rank, world_size):
     model, optim = _build(cpu_mesh())
-    return _train(model, optim, 0, 6, rank, world_size)
+    return _train_span(model, optim, 0, 6, rank, world_size)
 
 
 def _killed_body(rank, world_size, root, point):
     victim, method, async_save = _KILL_POINTS[point]
     model, optim = _build(cpu_mesh())
-    _train(model, optim, 0, 2, rank, world_size)
+    _train_span(model, optim, 0, 2, rank, world_size)
     save_checkpoint(root, model, optim, step=2)
-    _train(model, optim, 2, 4, rank, world_size)
+    _train_span(model, optim, 2, 4, rank, world_size)
     if rank == victim:
         _kill_self_after(FileSystemWriter, method)
     pending = save_checkpoint(root, model, optim, step=4, async_save=async_save)
-    _train(model, optim, 4, 5, rank, world_size)
+    _train_span(model, optim, 4, 5, rank, world_size)
     if pending is not None:
         pending.result()
 
@@ -189,10 +181,10 @@ def _killed_body(rank, world_size, root, point):
 def _resume_body(rank, world_size, root):
     model, optim = _build(cpu_mesh(), seed=33)
     assert load_latest(root, model, optim) == 2  # the killed step 4 is not a checkpoint
-    losses = _train(model, optim, 2, 4, rank, world_size)
+    losses = _train_span(model, optim, 2, 4, rank, world_size)
     save_checkpoint(root, model, optim, step=4, keep=2)  # over the killed save's leftovers
     assert sorted(os.listdir(root)) == ["step-2", "step-4"], os.listdir(root)
-    return losses + _train(model, optim, 4, 6, rank, world_size)
+    return losses + _train_span(model, optim, 4, 6, rank, world_size)
 
 
 _uninterrupted: list = []
@@ -220,10 +212,10 @@ def test_a_rank_killed_mid_save_resumes_from_the_previous_step(tmp_path, point):
 def _hsdp_save_body(rank, world_size, root):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     model, optim = _build(mesh)
-    _train(model, optim, 0, 2, rank, world_size)
+    _train_span(model, optim, 0, 2, rank, world_size)
     saved = _snapshot(model)
     pending = save_checkpoint(root, model, optim, step=2, keep=1, async_save=True)
-    losses = _train(model, optim, 2, 4, rank, world_size, mean=True)
+    losses = _train_span(model, optim, 2, 4, rank, world_size, mean=True)
     pending.result()
     return saved, losses
 
@@ -232,7 +224,7 @@ def _fsdp_resume_body(rank, world_size, root, saved, uninterrupted):
     model, optim = _build(cpu_mesh(), seed=34)
     assert load_latest(root, model, optim) == 2
     _assert_params_equal(model, saved)
-    losses = _train(model, optim, 2, 4, rank, world_size, mean=True)
+    losses = _train_span(model, optim, 2, 4, rank, world_size, mean=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted),
                                rtol=RTOL, atol=ATOL)
 
@@ -249,10 +241,10 @@ def test_async_hsdp_save_at_4_ranks_resumes_at_2(tmp_path):
 
 def _errors_body(rank, world_size, root, blocked):
     model, optim = _build(cpu_mesh())
-    _train(model, optim, 0, 1, rank, world_size)
+    _train_span(model, optim, 0, 1, rank, world_size)
     save_checkpoint(root, model, optim, step=1)
     kept = _snapshot(model)
-    _train(model, optim, 1, 2, rank, world_size)
+    _train_span(model, optim, 1, 2, rank, world_size)
     messages = []
 
     original = FileSystemWriter.write_data
@@ -329,7 +321,7 @@ def _readme_body(rank, world_size, workdir, num_steps):
     losses = []
 
     def train_step(step):
-        losses.extend(_train(model, optim, step - 1, step, rank, world_size))
+        losses.extend(_train_span(model, optim, step - 1, step, rank, world_size))
         sched.step()
 
     first, second = _readme_blocks()[:2]

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _impl import IMPL, FSDPModule, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import check_case, count_collectives, launch_cases
-from models import Transformer, assert_grads_match, cpu_mesh, global_mean, rank_slice
+from checks import check_case, count_collectives
+from models import Transformer, assert_grads_match, cpu_mesh, global_mean, rank_slice, toy_args
 from torch.distributed.fsdp import FSDPModule as UpstreamFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy as UpstreamMixedPrecision
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
@@ -44,14 +44,20 @@ class ChunkedModel(Transformer):
     """The test Transformer, whose forward can stop at the final norm (torchtitan's skip_lm_head)."""
 
     def __init__(self, checkpoint_layers: bool = False, **kwargs: Any) -> None:
-        super().__init__(vocab=VOCAB, **kwargs)
+        super().__init__(toy_args(vocab=VOCAB, **kwargs))
         self.checkpoint_layers = checkpoint_layers
 
     def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        rope = self.rope(tokens.shape[1], tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False) if self.checkpoint_layers else layer(h)
-        h = self.norm(h)
+            if self.checkpoint_layers:
+                h = checkpoint(layer, h, *rope, use_reentrant=False)
+            else:
+                h = layer(h, *rope)
+        # the decoder's bf16 output into an fp32 norm+head group (mp "outside") is upcast
+        # here: nn.RMSNorm keeps its input's dtype (a no-op in every other case)
+        h = self.norm(h.float())
         return h if skip_head else self.output(h)
 
 
@@ -170,7 +176,8 @@ class Case(NamedTuple):
         return "-".join(parts)
 
 
-def _shard(model: ChunkedModel, case: Case, upstream: bool, mesh) -> None:
+def _shard_with_head_group(model: ChunkedModel, case: Case, upstream: bool, mesh) -> None:
+    """Blocks, then ``[norm, output]`` (and the embedding when tied) as one group, the root."""
     shard = upstream_fully_shard if upstream else fully_shard
     policy = UpstreamMixedPrecision if upstream else MixedPrecisionPolicy
     bf16 = policy(param_dtype=BF16, reduce_dtype=FP32)
@@ -250,11 +257,11 @@ def _run(case: Case, rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     ref = ChunkedModel(checkpoint_layers=case.checkpoint, tie_weights=case.tied)
     ours = copy.deepcopy(ref)
-    _shard(ours, case, False, mesh)
+    _shard_with_head_group(ours, case, False, mesh)
     sharded = [ours]
     if not case.upstream_fails:
         theirs = copy.deepcopy(ref)
-        _shard(theirs, case, True, mesh)
+        _shard_with_head_group(theirs, case, True, mesh)
         sharded.append(theirs)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, *sharded)]
     loss_tol = dict(rtol=2e-2, atol=1e-3) if case.mp else dict(rtol=1e-5, atol=1e-6)
@@ -351,13 +358,12 @@ def _cases(world_size: int) -> list[Case]:
     return cases
 
 
-def _launch(world_size: int):
-    cases = {
+def _cases_to_run(world_size: int) -> dict:
+    return {
         c.name: (lambda r, w, c=c: _run(c, r, w))
         for c in _cases(world_size)
         if IMPL == "fsdp2" or not c.upstream_fails
     }
-    return launch_cases(("chunked_loss", world_size), world_size, cases)
 
 
 @pytest.mark.parametrize(
@@ -368,6 +374,6 @@ def _launch(world_size: int):
         for c in _cases(w)
     ],
 )
-def test_chunked_loss(world_size: int, name: str) -> None:
+def test_chunked_loss(world_size: int, name: str, launch_cases) -> None:
     """Chunked loss through a grouped head: reference parity and bitwise upstream parity."""
-    check_case(_launch(world_size), name)
+    check_case(launch_cases(world_size, _cases_to_run(world_size)), name)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import FSDPModule, fully_shard, share_comm_ctx
-from checks import check_case, count_collectives, launch_cases, on_collectives
+from checks import check_case, count_collectives, on_collectives, train_alone
 from models import (
     assert_grads_match,
     build_mlp,
@@ -192,18 +192,6 @@ def _raises(exc_type, match, fn):
     raise AssertionError(f"expected {exc_type.__name__} containing {match!r}")
 
 
-def _train(model, rank, world_size, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        loss = mlp_loss(model, rank_slice(mlp_batch(step, 2 * world_size), rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return torch.stack(losses)
-
-
 def _no_result_change(rank, world_size):
     """Max input buffers and process-group memory: checked arguments, the default's numerics."""
     baseline, base_counts = None, {}
@@ -218,10 +206,11 @@ def _no_result_change(rank, world_size):
                     if isinstance(m, (FSDPModule, upstream.FSDPModule)):
                         m.set_allocate_memory_from_process_group_for_comm(True)
             with count_collectives() as counts:
-                losses = _train(model, rank, world_size)
+                batches = [mlp_batch(step, 2 * world_size) for step in range(3)]
+                losses = train_alone(model, batches, mlp_loss, rank, world_size)
             assert counts == base_counts.setdefault(name, counts), (name, setting, counts)
             baseline = losses if baseline is None else baseline
-            assert torch.equal(losses, baseline), (name, setting, losses, baseline)
+            assert losses == baseline, (name, setting, losses, baseline)
         model = shard_mlp(build_mlp(), shard, mesh=cpu_mesh())
         _raises(TypeError, "max_input_buffers must be an int, got bool",
                 lambda m=model: m.set_reduce_scatter_max_input_buffers(True))
@@ -344,40 +333,39 @@ CASES_4 = {
 }
 
 
-def _launch(world_size):
-    return launch_cases((__name__, world_size), world_size, CASES_2 if world_size == 2 else CASES_4)
+CASES = {2: CASES_2, 4: CASES_4}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_unused_params_on_some_ranks_reduce_zeros(world_size):
+def test_unused_params_on_some_ranks_reduce_zeros(world_size, launch_cases):
     """set_reduce_scatter_unused_params: a param used on rank 0 only; grads equal upstream and reference."""
-    check_case(_launch(world_size), "unused_on_rank0_only")
+    check_case(launch_cases(world_size, CASES[world_size]), "unused_on_rank0_only")
 
 
-def test_unused_everywhere_gets_zeros_with_the_flag_none_without():
+def test_unused_everywhere_gets_zeros_with_the_flag_none_without(launch_cases):
     """A parameter no rank uses: zero gradient with the flag, None without (as upstream)."""
-    check_case(_launch(2), "unused_everywhere")
-    check_case(_launch(2), "unused_flag_off")
+    check_case(launch_cases(2, CASES_2), "unused_everywhere")
+    check_case(launch_cases(2, CASES_2), "unused_flag_off")
 
 
 @pytest.mark.parametrize("world_size,case", [(2, "separate_group"), (4, "separate_group"),
                                              (4, "separate_group_hsdp")])
-def test_separate_reduce_scatter_group(world_size, case):
+def test_separate_reduce_scatter_group(world_size, case, launch_cases):
     """Reduce-scatters on their own group over the shard ranks, then back; reference gradients."""
-    check_case(_launch(world_size), case)
+    check_case(launch_cases(world_size, CASES[world_size]), case)
 
 
-def test_buffer_cap_and_process_group_memory_change_no_result():
+def test_buffer_cap_and_process_group_memory_change_no_result(launch_cases):
     """set_reduce_scatter_max_input_buffers / _allocate_memory_from_process_group: checks, same losses."""
-    check_case(_launch(2), "no_result_change")
+    check_case(launch_cases(2, CASES_2), "no_result_change")
 
 
-def test_symm_mem_outcome_matches_upstream():
+def test_symm_mem_outcome_matches_upstream(launch_cases):
     """set_symm_mem_for_comm raises (or not) as upstream on this build; custom comms are refused."""
-    check_case(_launch(2), "symm_mem")
+    check_case(launch_cases(2, CASES_2), "symm_mem")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_share_comm_ctx_issues_upstreams_collectives(world_size):
+def test_share_comm_ctx_issues_upstreams_collectives(world_size, launch_cases):
     """Two chunk roots, shared or not: the same collective sequence and losses as upstream."""
-    check_case(_launch(world_size), "share_comm_ctx")
+    check_case(launch_cases(world_size, CASES[world_size]), "share_comm_ctx")

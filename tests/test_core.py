@@ -39,6 +39,7 @@ from models import (
     shard_mlp,
     shard_transformer,
     sharded_state_dict_from,
+    toy_args,
     transformer_batch,
     transformer_loss,
 )
@@ -299,7 +300,7 @@ def test_ignored_params_stay_plain_tensors():
 def _meta_body(rank, world_size, assign):
     ref = build_transformer(seed=7)
     with torch.device("meta"):
-        model = Transformer()
+        model = Transformer(toy_args())
     mesh = cpu_mesh()
     shard_transformer(model, fully_shard, mesh=mesh)
     for name, p in model.named_parameters():

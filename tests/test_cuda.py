@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from checks import check_case, launch_cases
+from checks import check_case
 from device_cases import cases
 
 _REASON = (
@@ -40,44 +40,41 @@ pytestmark = pytest.mark.skipif(
 CASES = cases("cuda")
 # spawn, CUDA init and an inductor compile: minutes, not seconds, on a cold cache
 TIMEOUT_S = 900
-
-
-def _launch() -> tuple[bool, object]:
-    return launch_cases((__name__, "nccl"), 1, CASES, backend="nccl", timeout=TIMEOUT_S)
+NCCL = {"backend": "nccl", "timeout": TIMEOUT_S}  # one launch on one rank, for every test
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("parity-")])
-def test_parity_one_rank_nccl(name):
+def test_parity_one_rank_nccl(name, launch_cases):
     """fp32 / bf16, reshard_after_forward True / False: reference and upstream parity on NCCL."""
-    check_case(_launch(), name)
+    check_case(launch_cases(1, CASES, **NCCL), name)
 
 
-def test_offload_pinned_memory():
+def test_offload_pinned_memory(launch_cases):
     """CPUOffloadPolicy(pin_memory=True): parity; sharded parameters stay in pinned host memory."""
-    check_case(_launch(), "offload")
+    check_case(launch_cases(1, CASES, **NCCL), "offload")
 
 
-def test_explicit_prefetch():
+def test_explicit_prefetch(launch_cases):
     """set_modules_to_forward/backward_prefetch: parity; no collective beyond the usual ones."""
-    check_case(_launch(), "prefetch")
+    check_case(launch_cases(1, CASES, **NCCL), "prefetch")
 
 
-def test_post_optim_event_side_stream():
+def test_post_optim_event_side_stream(launch_cases):
     """The optimizer steps on a delayed side stream; the next forward waits on its event: parity."""
-    check_case(_launch(), "post_optim_event")
+    check_case(launch_cases(1, CASES, **NCCL), "post_optim_event")
 
 
-def test_activation_checkpointing():
+def test_activation_checkpointing(launch_cases):
     """checkpoint_wrapper on every block, then fully_shard: parity on NCCL."""
-    check_case(_launch(), "checkpoint")
+    check_case(launch_cases(1, CASES, **NCCL), "checkpoint")
 
 
-def test_compiled_block():
+def test_compiled_block(launch_cases):
     """An inductor-compiled block, then fully_shard: parity with the compiled reference."""
-    check_case(_launch(), "compiled")
+    check_case(launch_cases(1, CASES, **NCCL), "compiled")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("stream_safety-")])
-def test_stream_safety_delayed_collectives(name):
+def test_stream_safety_delayed_collectives(name, launch_cases):
     """Collectives delayed behind torch.cuda._sleep on their own stream: the undelayed results."""
-    check_case(_launch(), name)
+    check_case(launch_cases(1, CASES, **NCCL), name)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from _impl import IMPL, MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
-from checks import check_case, launch_cases
+from checks import check_case
 from torch.distributed.device_mesh import init_device_mesh
 
 # A generous bound on "within seconds": a hang is what it catches, not speed.
@@ -224,47 +224,43 @@ def _cases(world_size):
     return cases
 
 
-def _launch(world_size):
-    return launch_cases((__name__, world_size), world_size, _cases(world_size))
-
-
 @fsdp2_only  # upstream: a gloo abort on one rank, "Connection reset by peer" on the other
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_divergence_raises_on_every_rank(case):
+def test_divergence_raises_on_every_rank(case, launch_cases):
     """Each divergence variant: the same ValueError on both ranks; all_reduce works after (W=2)."""
-    check_case(_launch(2), case)
+    check_case(launch_cases(2, _cases(2)), case)
 
 
 @fsdp2_only
 @pytest.mark.parametrize("case", ["shape_last_rank", "extra_param"])
-def test_divergence_three_ranks(case):
+def test_divergence_three_ranks(case, launch_cases):
     """W=3: the rank that differs is named; every rank raises the same error."""
-    check_case(_launch(3), case)
+    check_case(launch_cases(3, _cases(3)), case)
 
 
 @fsdp2_only
 @pytest.mark.parametrize("case", ["mesh", "requires_grad", "local_error"])
-def test_divergence_four_ranks(case):
+def test_divergence_four_ranks(case, launch_cases):
     """W=4: a 1-D mesh on some ranks and a 2-D one on another; requires_grad; a local error."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, _cases(4)), case)
 
 
 @fsdp2_only
-def test_rerun_after_a_fix_uses_fresh_keys():
+def test_rerun_after_a_fix_uses_fresh_keys(launch_cases):
     """A divergence fixed on the failing rank: the re-run passes on every rank, no key left."""
-    check_case(_launch(2), "rerun_after_fix")
+    check_case(launch_cases(2, _cases(2)), "rerun_after_fix")
 
 
 @fsdp2_only
-def test_missing_rank_is_named_at_the_store_timeout():
+def test_missing_rank_is_named_at_the_store_timeout(launch_cases):
     """A rank that never reaches the first forward: RuntimeError naming it, on both ranks."""
-    check_case(_launch(2), "missing_rank")
+    check_case(launch_cases(2, _cases(2)), "missing_rank")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_same_model_passes_the_check(world_size):
+def test_same_model_passes_the_check(world_size, launch_cases):
     """The same model on every rank runs forward and backward (both implementations)."""
-    check_case(_launch(world_size), "same_model")
+    check_case(launch_cases(world_size, _cases(world_size)), "same_model")
 
 
 def _fake_world(rank, world_size):

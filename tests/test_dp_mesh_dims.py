@@ -22,7 +22,7 @@ import torch
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
-from checks import check_case, launch_cases
+from checks import check_case
 from models import assert_grads_match, assert_params_match, global_mean
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -78,15 +78,21 @@ def _dp_index(mesh, dims) -> tuple[int, int]:
     return index, size
 
 
-def _shard(model, shard_fn, dims_cls, mesh, dims_kw, tp, **kwargs):
+def _distribute_and_shard(model, shard_fn, dims_cls, mesh, dims_kw, tp, **kwargs):
+    """Distribute on the whole mesh (tensor-parallel or replicated), then shard in_proj and
+    the root on its data-parallel dims."""
     distribute_module(model, mesh, _tp_partition if tp else None)
     for module in (model.in_proj, model):
         shard_fn(module, mesh=mesh, dp_mesh_dims=dims_cls(**dims_kw), **kwargs)
     return model
 
 
-def _train(model, ref, mesh, dims, check_ref=True):
-    """STEPS of Adam on the data-parallel slice; returns (losses, grads, params) as full tensors."""
+def _train_on_dtensor_inputs(model, ref, mesh, dims, check_ref=True):
+    """STEPS of Adam on the data-parallel slice, fed as Replicate DTensors on the whole mesh.
+
+    Returns (losses, grads, params) as full tensors, every step's gradients among them
+    (``checks.train_steps`` feeds plain tensors and keeps no gradients).
+    """
     index, size = _dp_index(mesh, dims)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -128,10 +134,11 @@ def _parity(sizes, names, dims_kw, tp=False, **kwargs):
         if mp is not None:
             ours_kw["mp_policy"] = MixedPrecisionPolicy(**mp)
             theirs_kw["mp_policy"] = upstream.MixedPrecisionPolicy(**mp)
-        ours = _shard(copy.deepcopy(ref), fully_shard, DataParallelMeshDims, mesh, dims_kw, tp,
-                      **ours_kw)
-        theirs = _shard(copy.deepcopy(ref), upstream.fully_shard, upstream.DataParallelMeshDims,
-                        mesh, dims_kw, tp, **theirs_kw)
+        ours = _distribute_and_shard(copy.deepcopy(ref), fully_shard, DataParallelMeshDims,
+                                     mesh, dims_kw, tp, **ours_kw)
+        theirs = _distribute_and_shard(copy.deepcopy(ref), upstream.fully_shard,
+                                       upstream.DataParallelMeshDims, mesh, dims_kw, tp,
+                                       **theirs_kw)
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
             assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
             assert p.device_mesh.mesh_dim_names == q.device_mesh.mesh_dim_names, name
@@ -139,7 +146,8 @@ def _parity(sizes, names, dims_kw, tp=False, **kwargs):
             assert tuple(p.placements) == tuple(q.placements), (name, p.placements, q.placements)
             assert torch.equal(p.to_local(), q.to_local()), name
         results = [
-            _train(model, copy.deepcopy(ref), mesh, dims, check_ref) for model in (ours, theirs)
+            _train_on_dtensor_inputs(model, copy.deepcopy(ref), mesh, dims, check_ref)
+            for model in (ours, theirs)
         ]
         (losses, grads, params), (up_losses, up_grads, up_params) = results
         assert all(torch.equal(a, b) for a, b in zip(losses, up_losses)), (losses, up_losses)
@@ -230,29 +238,21 @@ CASES_4 = {
 }
 
 
-def _two():
-    return launch_cases((__name__, 2), 2, CASES_2)
-
-
-def _four():
-    return launch_cases((__name__, 4), 4, CASES_4)
-
-
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_keep_unsharded", "ddp"])
-def test_one_dim_layouts_match_upstream_and_reference(name):
+def test_one_dim_layouts_match_upstream_and_reference(name, launch_cases):
     """W=2: FSDP (also reshard_after_forward=False) and DDP via dp_mesh_dims, vs upstream and reference."""
-    check_case(_two(), name)
+    check_case(launch_cases(2, CASES_2), name)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
-def test_multi_dim_layouts_match_upstream_and_reference(name):
+def test_multi_dim_layouts_match_upstream_and_reference(name, launch_cases):
     """W=4: FSDP x TP (also Shard(1), bf16), HSDP dims, flattened dims, HSDP x TP vs upstream."""
-    check_case(_four(), name)
+    check_case(launch_cases(4, CASES_4), name)
 
 
-def test_bad_dp_mesh_dims_raise_upstreams_errors():
+def test_bad_dp_mesh_dims_raise_upstreams_errors(launch_cases):
     """Unnamed mesh, unknown or repeated dim, plain params, another mesh, a sharded dp dim, int reshard."""
-    check_case(_two(), "errors")
+    check_case(launch_cases(2, CASES_2), "errors")
 
 
 def test_dp_mesh_dims_needs_a_dim():

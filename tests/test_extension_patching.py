@@ -21,8 +21,14 @@ import torch
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import IMPL, fsdp2_only, fully_shard
-from checks import check_case, launch_cases, record_collective_bytes
-from models import global_mean
+from checks import (
+    assert_losses_match,
+    check_case,
+    full_params,
+    record_collective_bytes,
+    train_steps,
+)
+from models import assert_params_match, shard_groups
 from test_extensions import _HiLoWeight, _plain
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
@@ -66,11 +72,9 @@ def _build():
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 4))
 
 
-def _shard(model, shard, mesh):
-    shard(model[0], mesh=mesh)
-    shard(model[2], mesh=mesh)
-    shard(model, mesh=mesh)
-    return model
+def _shard_linears(model, shard, mesh):
+    """``model[0]`` and ``model[2]`` each in a group, then the root (holds ``model[4]``)."""
+    return shard_groups(model, shard, [model[0], model[2]], mesh=mesh)
 
 
 def _materialize(model, ref, mesh, how):
@@ -84,36 +88,30 @@ def _materialize(model, ref, mesh, how):
             p.copy_(distribute_tensor(full[name], mesh, p.placements))
 
 
-def _dp_index(mesh):
-    coord = mesh.get_coordinate()
-    return coord[0] * mesh.size(1) + coord[1] if mesh.ndim == 2 else coord[0]
-
-
-def _train(model, ref, mesh):
-    size, index = mesh.size(), _dp_index(mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    losses, sent = [], []
+def _batches(world_size):
+    """Three (inputs, targets) batches; rank r's slice is its data-parallel index's (HSDP too)."""
+    batches = []
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(2 * size, 8, generator=g), torch.randn(2 * size, 4, generator=g)
-        ref_loss = nn.functional.mse_loss(ref(x), y)
-        ref_loss.backward()
-        with record_collective_bytes() as calls:
-            loss = nn.functional.mse_loss(model(x.chunk(size)[index]), y.chunk(size)[index])
-            loss.backward()
-        sent.append([c for c in calls if c[0] == "all_gather"])
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6,
-                                       msg=name)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        losses.append(global_mean(loss))
-        torch.testing.assert_close(losses[-1], ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    for name, q in ref.named_parameters():
-        torch.testing.assert_close(params[name], q.detach(), rtol=1e-5, atol=1e-6, msg=name)
-    return torch.stack(losses), params, sent
+        batches.append((torch.randn(2 * world_size, 8, generator=g),
+                        torch.randn(2 * world_size, 4, generator=g)))
+    return batches
+
+
+def _mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _train_recording_gathers(model, ref, rank, world_size):
+    """SGD next to the reference; (losses, full params, per-step all-gather bytes)."""
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+    ref_losses, losses, calls = train_steps(ref, model, _batches(world_size), _mse, rank,
+                                            world_size, opts, record=record_collective_bytes)
+    assert_losses_match(ref_losses, losses)
+    assert_params_match(ref, model)
+    sent = [[c for c in step if c[0] == "all_gather"] for step in calls]
+    return losses, full_params(model), sent
 
 
 def _mesh(world_size, hsdp):
@@ -129,16 +127,16 @@ def _patched_case(how, hsdp):
         for name, shard in IMPLS.items():
             ref = _build()
             if how == "after_fully_shard":
-                model = _shard(copy.deepcopy(ref), shard, mesh)
+                model = _shard_linears(copy.deepcopy(ref), shard, mesh)
             else:
                 with torch.device("meta"):
-                    model = _shard(_build(), shard, mesh)
+                    model = _shard_linears(_build(), shard, mesh)
                 _materialize(model, ref, mesh, how)
             assert _patch(model) == 3
             CALLS.clear()
-            runs[name] = (*_train(model, ref, mesh), list(CALLS))
+            runs[name] = (*_train_recording_gathers(model, ref, rank, world_size), list(CALLS))
         (losses, params, sent, calls), (up_losses, up_params, up_sent, up_calls) = runs.values()
-        assert torch.equal(losses, up_losses), (losses, up_losses)
+        assert losses == up_losses, (losses, up_losses)
         assert all(torch.equal(params[n], up_params[n]) for n in params)
         assert calls and calls == up_calls, (calls, up_calls)
         shard_size = mesh.size(mesh.ndim - 1)
@@ -184,7 +182,7 @@ def _replaced_after_lazy_init(rank, world_size):
     """fsdp2 only: hooks bound after the first forward wait; replaced locals drop their hooks."""
     mesh = _mesh(world_size, hsdp=False)
     ref = _build()
-    model = _shard(copy.deepcopy(ref), fully_shard, mesh)
+    model = _shard_linears(copy.deepcopy(ref), fully_shard, mesh)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()
     _patch(model)  # after lazy init: not picked up (upstream fails at the next all-gather)
@@ -192,7 +190,7 @@ def _replaced_after_lazy_init(rank, world_size):
     model(x).sum().backward()
     assert CALLS == []
     # hooks decided at lazy init, then every local tensor replaced by one without them
-    model = _shard(copy.deepcopy(ref), fully_shard, mesh)
+    model = _shard_linears(copy.deepcopy(ref), fully_shard, mesh)
     _patch(model)
     model(x).sum().backward()
     assert CALLS
@@ -238,29 +236,28 @@ CASES_4 = {
 }
 
 
-def _launch(world_size):
-    return launch_cases((__name__, world_size), world_size, CASES_2 if world_size == 2 else CASES_4)
+CASES = {2: CASES_2, 4: CASES_4}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("how", HOWS)
-def test_hooks_patched_on_local_shard(world_size, how):
+def test_hooks_patched_on_local_shard(world_size, how, launch_cases):
     """Hooks bound onto plain local shards (after fully_shard / to_empty): upstream's calls and numerics."""
-    check_case(_launch(world_size), how)
+    check_case(launch_cases(world_size, CASES[world_size]), how)
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_patched_hooks_on_hsdp_get_the_shard_mesh(how):
+def test_patched_hooks_on_hsdp_get_the_shard_mesh(how, launch_cases):
     """2x2 HSDP: the patched hooks get the 1-D shard mesh; upstream's numerics and calls."""
-    check_case(_launch(4), f"hsdp_{how}")
+    check_case(launch_cases(4, CASES_4), f"hsdp_{how}")
 
 
-def test_subclass_extension_on_hsdp_gets_the_shard_mesh():
+def test_subclass_extension_on_hsdp_gets_the_shard_mesh(launch_cases):
     """2x2 HSDP with a subclass extension: the 1-D shard mesh, gradients equal upstream's."""
-    check_case(_launch(4), "subclass_hsdp")
+    check_case(launch_cases(4, CASES_4), "subclass_hsdp")
 
 
 @fsdp2_only
-def test_hooks_bound_late_or_replaced():
+def test_hooks_bound_late_or_replaced(launch_cases):
     """Hooks bound after the first forward wait; parameters replaced without hooks gather plainly."""
-    check_case(_launch(2), "replaced_after_lazy_init")
+    check_case(launch_cases(2, CASES_2), "replaced_after_lazy_init")

@@ -26,7 +26,7 @@ from _impl import (
     fully_shard,
     needs_upstream,
 )
-from checks import _PATCHED, check_case, launch_cases, on_collectives
+from checks import _PATCHED, check_case, on_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -192,31 +192,30 @@ CASES = {
 }
 
 
-def _launch(world_size):
-    cases = CASES if world_size == 2 else {"accumulate": _accumulate_then_finalize}
-    return launch_cases((__name__, world_size), world_size, cases)
+def _cases(world_size):
+    return CASES if world_size == 2 else {"accumulate": _accumulate_then_finalize}
 
 
 @needs_upstream("FSDPModule.finalize_backward")
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_accumulate_then_finalize(world_size):
+def test_accumulate_then_finalize(world_size, launch_cases):
     """Manual finalization: one reduce-scatter per group at finalize; gradients equal the reference."""
-    check_case(_launch(world_size), "accumulate")
+    check_case(launch_cases(world_size, _cases(world_size)), "accumulate")
 
 
 @needs_upstream("FSDPModule.finalize_backward")
-def test_async_finalize_handle():
+def test_async_finalize_handle(launch_cases):
     """async_op=True returns a GradientReductionHandle; misuse before wait() raises; reset invalidates."""
-    check_case(_launch(2), "async")
+    check_case(launch_cases(2, _cases(2)), "async")
 
 
 @needs_upstream("FSDPModule.finalize_backward")
-def test_manual_finalization_errors():
+def test_manual_finalization_errors(launch_cases):
     """Non-root, missing manual mode, and mode changes after backward started raise RuntimeError."""
-    check_case(_launch(2), "errors")
+    check_case(launch_cases(2, _cases(2)), "errors")
 
 
 @needs_upstream("FSDPModule.set_keep_unsharded_storage")
-def test_keep_unsharded_storage():
+def test_keep_unsharded_storage(launch_cases):
     """set_keep_unsharded_storage keeps data pointers across reshard/unshard; default frees."""
-    check_case(_launch(2), "keep_storage")
+    check_case(launch_cases(2, _cases(2)), "keep_storage")

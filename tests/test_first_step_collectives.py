@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed.fsdp as upstream
 from _impl import fully_shard
-from checks import _PATCHED, check_case, launch_cases, on_collectives
+from checks import _PATCHED, check_case, on_collectives
 from models import (
     build_transformer,
     cpu_mesh,
@@ -114,11 +114,11 @@ CASES_4 = {"hsdp": _same_as_upstream(_hsdp_mesh, micro_batches=2)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES_2))
-def test_first_step_collectives_match_upstream(case):
+def test_first_step_collectives_match_upstream(case, launch_cases):
     """W=2: the first step's forward and backward issue exactly upstream's collectives."""
-    check_case(launch_cases((__name__, 2), 2, CASES_2), case)
+    check_case(launch_cases(2, CASES_2), case)
 
 
-def test_first_step_collectives_match_upstream_hsdp():
+def test_first_step_collectives_match_upstream_hsdp(launch_cases):
     """W=4, 2x2 HSDP mesh, two micro-batches: exactly upstream's collectives per phase."""
-    check_case(launch_cases((__name__, 4), 4, CASES_4), "hsdp")
+    check_case(launch_cases(4, CASES_4), "hsdp")

@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 from _impl import FSDPModule, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import check_case, count_collectives, launch_cases
+from checks import check_case, count_collectives
 from device_cases import cases, forced_collectives
 from models import (
     build_transformer,
@@ -102,28 +102,24 @@ SWITCH_CASES = {
 }
 
 
-def _switch(name: str) -> None:
-    check_case(launch_cases((__name__, "switch"), 1, SWITCH_CASES), name)
-
-
 # Upstream (torch 2.13) skips the collectives of a one-rank group itself and
 # has no such switch, so these three hold for fsdp2 only.
 @fsdp2_only
-def test_forced_one_rank_group_issues_every_collective():
+def test_forced_one_rank_group_issues_every_collective(launch_cases):
     """Forced: 2 all-gathers and 1 reduce-scatter per group per step at W=1 (none without)."""
-    _switch("counts")
+    check_case(launch_cases(1, SWITCH_CASES), "counts")
 
 
 @fsdp2_only
-def test_forced_one_rank_group_gathers_a_copy():
+def test_forced_one_rank_group_gathers_a_copy(launch_cases):
     """Forced: the unsharded parameter is the all-gather's copy, not an alias of the shard."""
-    _switch("unsharded_storage")
+    check_case(launch_cases(1, SWITCH_CASES), "unsharded_storage")
 
 
 @fsdp2_only
-def test_forced_one_rank_group_calls_custom_comms():
+def test_forced_one_rank_group_calls_custom_comms(launch_cases):
     """Forced: custom all-gather / reduce-scatter comms run at W=1 (skipped without the switch)."""
-    _switch("custom_comms")
+    check_case(launch_cases(1, SWITCH_CASES), "custom_comms")
 
 
 @fsdp2_only
@@ -143,6 +139,6 @@ DEVICE_CASES = cases("cpu")
 
 
 @pytest.mark.parametrize("name", list(DEVICE_CASES))
-def test_device_case_on_cpu(name):
+def test_device_case_on_cpu(name, launch_cases):
     """The CUDA tests' cases on one gloo rank, forced: parity with the reference and upstream."""
-    check_case(launch_cases((__name__, "cpu"), 1, DEVICE_CASES), name)
+    check_case(launch_cases(1, DEVICE_CASES), name)

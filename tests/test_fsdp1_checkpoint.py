@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _impl import fully_shard
 from _multiproc import run_ranks
-from checks import check_case, launch_cases
+from checks import check_case
 from models import (
     Block,
     build_transformer,
@@ -206,16 +206,16 @@ def _cases(root, losses):
 
 @pytest.mark.parametrize("world_size", [3, 1])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fsdp1_checkpoint_loads(saved, variant, world_size):
+def test_fsdp1_checkpoint_loads(saved, variant, world_size, launch_cases):
     """An FSDP1 checkpoint saved on 2 ranks loads on ``world_size``: state and next losses equal."""
     root, losses = saved
-    check_case(launch_cases(("fsdp1_load", root, world_size), world_size, _cases(root, losses)),
+    check_case(launch_cases(world_size, _cases(root, losses), key=root),
                variant)
 
 
 @pytest.mark.parametrize("world_size", [3, 1])
-def test_index_keyed_optimizer_needs_the_saved_groups(saved, world_size):
+def test_index_keyed_optimizer_needs_the_saved_groups(saved, world_size, launch_cases):
     """Index-keyed optimizer state into an optimizer with other groups: one ValueError on every rank."""
     root, losses = saved
-    check_case(launch_cases(("fsdp1_load", root, world_size), world_size, _cases(root, losses)),
+    check_case(launch_cases(world_size, _cases(root, losses), key=root),
                "index_keyed_other_groups")

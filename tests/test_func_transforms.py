@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import IMPL, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import assert_nested_close, check_case, launch_cases
-from models import MLP, build_mlp, cpu_mesh, full, mlp_batch, mlp_loss, rank_slice
+from checks import assert_nested_close, check_case, full_params
+from models import build_mlp, cpu_mesh, full, mlp_batch, mlp_loss, rank_slice, shard_mlp
 from torch.distributed.fsdp import MixedPrecisionPolicy as UpstreamMixedPrecision
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
@@ -36,17 +36,12 @@ def _inputs(world_size: int, rank: int | None) -> tuple[torch.Tensor, torch.Tens
     return (x, t) if rank is None else rank_slice((x, t), rank, world_size)
 
 
-def _shard(model: MLP, shard_fn, layout: str, reshard, bf16: bool) -> MLP:
-    kwargs = {"mesh": cpu_mesh(), "reshard_after_forward": reshard}
-    if bf16:
-        upstream = shard_fn is upstream_fully_shard
-        policy = UpstreamMixedPrecision if upstream else MixedPrecisionPolicy
-        kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if layout == "per":
-        shard_fn(model.in_proj, **kwargs)
-        shard_fn(model.mid_proj, **kwargs)
-    shard_fn(model, **kwargs)
-    return model
+def _mp_kwargs(shard_fn, bf16: bool) -> dict:
+    """bf16 compute, fp32 reduction, as each implementation's own policy class (or nothing)."""
+    if not bf16:
+        return {}
+    policy = UpstreamMixedPrecision if shard_fn is upstream_fully_shard else MixedPrecisionPolicy
+    return {"mp_policy": policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def _transform(model: nn.Module, transform: str, x: torch.Tensor, t: torch.Tensor):
@@ -69,7 +64,8 @@ def _transform(model: nn.Module, transform: str, x: torch.Tensor, t: torch.Tenso
 
 def _flow(transform, layout, reshard, bf16, shard_fn, rank, world_size):
     """Transform first, then backward through it, a step, and a plain training step."""
-    model = _shard(build_mlp(0), shard_fn, layout, reshard, bf16)
+    model = shard_mlp(build_mlp(0), shard_fn, per_layer=layout == "per", mesh=cpu_mesh(),
+                      reshard_after_forward=reshard, **_mp_kwargs(shard_fn, bf16))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outputs, loss, x = _transform(model, transform, *_inputs(world_size, rank))
     outputs = [o.detach().clone() for o in outputs]
@@ -86,8 +82,7 @@ def _flow(transform, layout, reshard, bf16, shard_fn, rank, world_size):
     step_loss = mlp_loss(model, rank_slice(mlp_batch(0, BATCH), rank, world_size))
     step_loss.backward()
     opt.step()
-    params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    return outputs, grads, params
+    return outputs, grads, full_params(model)
 
 
 def _reference(transform, rank, world_size):
@@ -108,8 +103,7 @@ def _reference(transform, rank, world_size):
         opt.zero_grad()
     mlp_loss(ref, mlp_batch(0, BATCH)).backward()
     opt.step()
-    params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    return outputs, grads, params
+    return outputs, grads, full_params(ref)
 
 
 def _case(transform, layout, reshard, bf16=False, vs_upstream=True):
@@ -149,13 +143,13 @@ CASE_NAMES = sorted(_cases(2))
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", CASE_NAMES)
-def test_transform_before_any_step(case, world_size):
+def test_transform_before_any_step(case, world_size, launch_cases):
     """A transform on a fresh sharded model equals the unsharded model's, then trains the same."""
-    check_case(launch_cases(("func-transforms", world_size), world_size, _cases(world_size)), case)
+    check_case(launch_cases(world_size, _cases(world_size)), case)
 
 
 @fsdp2_only
 @pytest.mark.parametrize("layout", ["root", "per"])
-def test_jvp_with_reshard_to_smaller_group(layout):
+def test_jvp_with_reshard_to_smaller_group(layout, launch_cases):
     """jvp with reshard_after_forward=2 on W = 4 (upstream raises in its post-forward reshard)."""
-    check_case(launch_cases(("func-transforms", 4), 4, _cases(4)), f"jvp-{layout}-2")
+    check_case(launch_cases(4, _cases(4)), f"jvp-{layout}-2")

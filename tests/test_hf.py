@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from _impl import fully_shard, register_fsdp_forward_method
-from checks import assert_losses_match, check_case, launch_cases
+from checks import assert_losses_match, check_case
 from models import assert_grads_match, assert_params_match, cpu_mesh, global_mean
 from torch.distributed.tensor import DTensor
 
@@ -87,15 +87,12 @@ def _case(build):
 
 CASES = {"llama": _case(_llama), "gpt2": _case(_gpt2)}
 
-def _outcome():
-    return launch_cases(__name__, 2, CASES)
 
-
-def test_hf_llama_parity_and_generate():
+def test_hf_llama_parity_and_generate(launch_cases):
     """LlamaForCausalLM sharded per decoder layer: training parity, generate() matches."""
-    check_case(_outcome(), "llama")
+    check_case(launch_cases(2, CASES), "llama")
 
 
-def test_hf_gpt2_parity_and_generate():
+def test_hf_gpt2_parity_and_generate(launch_cases):
     """GPT2LMHeadModel (tied lm_head) sharded per block: training parity, generate() matches."""
-    check_case(_outcome(), "gpt2")
+    check_case(launch_cases(2, CASES), "gpt2")

@@ -10,7 +10,6 @@ from _impl import fully_shard
 from checks import (
     assert_losses_match,
     check_case,
-    launch_cases,
     make_opts,
     record_collectives,
     train_steps,
@@ -97,21 +96,18 @@ CASES = {
     "accumulation": _accumulation,
 }
 
-def _result():
-    return launch_cases(__name__, 4, CASES)
-
 
 @pytest.mark.parametrize("mesh_shape", ["2x2", "4x1"])
-def test_hsdp_parity(mesh_shape):
+def test_hsdp_parity(mesh_shape, launch_cases):
     """HSDP training matches the reference; params are (Replicate(), Shard(0)) DTensors."""
-    check_case(_result(), f"parity_{mesh_shape}")
+    check_case(launch_cases(4, CASES), f"parity_{mesh_shape}")
 
 
-def test_hsdp_one_all_reduce_per_group():
+def test_hsdp_one_all_reduce_per_group(launch_cases):
     """One reduce-scatter over the shard dim and one all-reduce over the replicate dim per group."""
-    check_case(_result(), "all_reduce_counts")
+    check_case(launch_cases(4, CASES), "all_reduce_counts")
 
 
-def test_hsdp_set_requires_all_reduce_accumulation():
+def test_hsdp_set_requires_all_reduce_accumulation(launch_cases):
     """set_requires_all_reduce(False) skips the all-reduce; the syncing step gives the right grads."""
-    check_case(_result(), "accumulation")
+    check_case(launch_cases(4, CASES), "accumulation")

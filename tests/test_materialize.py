@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from _impl import IMPL, CPUOffloadPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
-from checks import check_case, launch_cases
-from models import cpu_mesh, global_mean, rank_slice
+from checks import check_case, train_alone
+from models import cpu_mesh, shard_groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as UpstreamCPUOffload
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
@@ -86,17 +86,15 @@ def _reference(variant: str) -> Net:
     return model
 
 
-def _shard(model: Net, shard_fn, mesh, offload: bool = False) -> Net:
+def _shard_net(model: Net, shard_fn, mesh, offload: bool = False) -> Net:
+    """Blocks, ``[norm, out]`` together (list variant), the root; ``offload`` without pinning."""
     kwargs = {"mesh": mesh}
     if offload:  # each implementation's own policy; no pinning on a CPU-only host
         policy = UpstreamCPUOffload if shard_fn is upstream_fully_shard else CPUOffloadPolicy
         kwargs["offload_policy"] = policy(pin_memory=False)
-    for block in model.blocks:
-        shard_fn(block, **kwargs)
-    if model.variant == "list":  # torchtitan groups the final norm with the output head
-        shard_fn([model.norm, model.out], **kwargs)
-    shard_fn(model, **kwargs)
-    return model
+    # torchtitan groups the final norm with the output head
+    head = [[model.norm, model.out]] if model.variant == "list" else []
+    return shard_groups(model, shard_fn, [*model.blocks, *head], **kwargs)
 
 
 def _distributed(full_sd: dict, like: dict) -> dict:
@@ -207,21 +205,18 @@ def _assert_views_of_flat_buffers(model: nn.Module) -> None:
             assert local.untyped_storage().nbytes() == slot_nbytes, p.fqn  # its slot only
 
 
-def _train(model: nn.Module, dtype: torch.dtype, world_size: int, rank: int | None) -> list[float]:
+def _train_next_token(model: nn.Module, dtype: torch.dtype, world_size: int,
+                      rank: int | None) -> list[float]:
     """Three AdamW steps on ``2 * world_size`` sequences: this rank's share, or all (``None``)."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(3)
-    losses = []
-    for _ in range(3):
-        tokens = torch.randint(0, VOCAB, (2 * world_size, SEQ), generator=gen)
-        x = tokens if rank is None else rank_slice((tokens,), rank, world_size)[0]
-        logits = model(x).flatten(0, 1).to(dtype)
-        loss = nn.functional.cross_entropy(logits, x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item() if rank is None else global_mean(loss.detach()).item())
-    return losses
+    batches = [(torch.randint(0, VOCAB, (2 * world_size, SEQ), generator=gen),) for _ in range(3)]
+
+    def next_token_loss(model, batch):  # logits in ``dtype``; the tokens are their own targets
+        (x,) = batch
+        return nn.functional.cross_entropy(model(x).flatten(0, 1).to(dtype), x.flatten())
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return train_alone(model, batches, next_token_loss, rank, world_size, opt)
 
 
 def _mesh(setup: str):
@@ -234,11 +229,11 @@ def _flow(variant, setup, pattern, shard_fn, rank, world_size):
     full_sd = {k: v.detach().clone() for k, v in _reference(variant).state_dict().items()}
     with torch.device("meta"):
         model = Net(variant)
-    _shard(model, shard_fn, _mesh(setup), offload=setup == "offload")
+    _shard_net(model, shard_fn, _mesh(setup), offload=setup == "offload")
     PATTERNS[pattern](model, full_sd)
     state = _state(model)
     dtype = torch.float64 if pattern.endswith("f64") else torch.float32
-    losses = _train(model, dtype, world_size, rank)
+    losses = _train_next_token(model, dtype, world_size, rank)
     return model, state, losses, _state(model)
 
 
@@ -264,7 +259,7 @@ def _case(variant, setup, pattern):
             if pattern.endswith("f64"):
                 ref = ref.to(torch.float64)
             dtype = torch.float64 if pattern.endswith("f64") else torch.float32
-            ref_losses = _train(ref, dtype, world_size, None)
+            ref_losses = _train_next_token(ref, dtype, world_size, None)
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(final[name][1], p.detach(), rtol=1e-4, atol=1e-5)
@@ -282,21 +277,21 @@ HSDP_CASES = {f"list-hsdp-{pattern}": _case("list", "hsdp", pattern) for pattern
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_materialize_pattern_matches_upstream(case, world_size):
+def test_materialize_pattern_matches_upstream(case, world_size, launch_cases):
     """A meta model materialized by one pattern equals upstream's, before and after training."""
-    check_case(launch_cases(("materialize", world_size), world_size, CASES), case)
+    check_case(launch_cases(world_size, CASES), case)
 
 
 @pytest.mark.parametrize("case", list(HSDP_CASES))
-def test_materialize_pattern_matches_upstream_hsdp(case):
+def test_materialize_pattern_matches_upstream_hsdp(case, launch_cases):
     """The same on a 2x2 HSDP mesh (placements Replicate, Shard(0))."""
-    check_case(launch_cases(("materialize-hsdp", 4), 4, HSDP_CASES), case)
+    check_case(launch_cases(4, HSDP_CASES), case)
 
 
 def _partial_body(rank, world_size, use):
     with torch.device("meta"):
         model = Net("list")
-    _shard(model, fully_shard, cpu_mesh())
+    _shard_net(model, fully_shard, cpu_mesh())
     model.to_empty(device="cpu")  # everything, then the output head goes back to meta
     model.out.to_empty(device="meta")
     try:
@@ -325,7 +320,7 @@ def test_partly_materialized_group_names_params_on_meta(use):
 def _to_empty_views_body(rank, world_size):
     with torch.device("meta"):
         model = Net("list")
-    _shard(model, fully_shard, cpu_mesh())
+    _shard_net(model, fully_shard, cpu_mesh())
     model.to_empty(device="cpu")
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and p.to_local().device.type == "cpu", name

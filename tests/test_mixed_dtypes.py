@@ -20,9 +20,9 @@ from checks import (
     RTOL,
     assert_losses_match,
     check_case,
-    count_collectives,
-    make_opts,
+    log_collectives,
     run_cases,
+    train_steps,
 )
 from models import (
     assert_grads_match,
@@ -32,6 +32,7 @@ from models import (
     make_pair,
     mlp_batch,
     rank_slice,
+    shard_groups,
     sharded_state_dict_from,
 )
 from torch.distributed.tensor import DTensor
@@ -76,17 +77,11 @@ def _build() -> MixedModel:
     return MixedModel()
 
 
-def _shard(model: MixedModel, **kwargs) -> MixedModel:
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 def _make_sharded(reshard_after_forward=None, **kwargs):
     """(reference, sharded copy): blocks, then the root, on a 1-D CPU mesh."""
     ref, model = make_pair(_build)
-    _shard(model, mesh=cpu_mesh(), reshard_after_forward=reshard_after_forward, **kwargs)
+    shard_groups(model, fully_shard, model.blocks, mesh=cpu_mesh(),
+                 reshard_after_forward=reshard_after_forward, **kwargs)
     return ref, model
 
 
@@ -106,27 +101,15 @@ def _gather_numel(params: list[nn.Parameter], world_size: int) -> int:
     return world_size * total
 
 
-def _train(ref, model, rank, world_size, steps, expected_gathers=None):
+def _train_checking_gathers(ref, model, rank, world_size, steps, expected_gathers=None):
     """Train both; per step the grads match and (optionally) the all-gathers are as expected."""
-    ref_opt, opt = make_opts(ref, model)
-    ref_losses, losses = [], []
-    for step in range(steps):
-        batch = mlp_batch(step, 2 * world_size)
-        ref_loss = _loss(ref, batch)
-        ref_loss.backward()
-        log = []
-        with count_collectives(log):
-            loss = _loss(model, rank_slice(batch, rank, world_size))
-            loss.backward()
-        if expected_gathers is not None:
+    batches = [mlp_batch(step, 2 * world_size) for step in range(steps)]
+    ref_losses, losses, logs = train_steps(ref, model, batches, _loss, rank, world_size,
+                                           record=log_collectives)
+    if expected_gathers is not None:
+        for log in logs:
             gathers = sorted(n for kind, n, *_ in log if kind == "all_gather")
             assert gathers == expected_gathers, (gathers, expected_gathers)
-        assert_grads_match(ref, model)
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
-        ref_losses.append(ref_loss.item())
-        losses.append(global_mean(loss).item())
     assert_losses_match(ref_losses, losses)
     assert_params_match(ref, model, RTOL, ATOL)
 
@@ -143,7 +126,7 @@ def _parity_body(rank, world_size, reshard_after_forward):
     expected = None
     if world_size > 1:
         expected = sorted(blocks * 2 + root * (1 if reshard_after_forward is None else 2))
-    _train(ref, model, rank, world_size, 3, expected)
+    _train_checking_gathers(ref, model, rank, world_size, 3, expected)
     for name, p in model.named_parameters():
         if name in frozen:
             assert p.grad is None, f"frozen {name} got a gradient"
@@ -193,13 +176,13 @@ def _meta_load_case(rank, world_size):
     with torch.device("meta"):
         model = MixedModel()
     mesh = cpu_mesh()
-    _shard(model, mesh=mesh)
+    shard_groups(model, fully_shard, model.blocks, mesh=mesh)
     model.to_empty(device="cpu")
     model.load_state_dict(sharded_state_dict_from(ref, mesh))
     assert_params_match(ref, model, 0, 0)
-    _train(ref, model, rank, world_size, 2)
+    _train_checking_gathers(ref, model, rank, world_size, 2)
     model.load_state_dict(sharded_state_dict_from(ref, mesh), assign=True)
-    _train(ref, model, rank, world_size, 2)
+    _train_checking_gathers(ref, model, rank, world_size, 2)
     sd = model.state_dict()
     for key, value in ref.state_dict().items():
         assert isinstance(sd[key], DTensor) and sd[key].dtype == value.dtype, key
@@ -235,7 +218,7 @@ def test_mixed_dtype_group_lifecycle():
 
 def _unfrozen_body(rank, world_size):
     model = _build()
-    _shard(model, mesh=cpu_mesh())
+    shard_groups(model, fully_shard, model.blocks, mesh=cpu_mesh())
     model.blocks[0].base.requires_grad_(True)  # bf16 next to trainable fp32, after fully_shard
     with pytest.raises((ValueError, AssertionError), match="bfloat16") as info:
         _loss(model, mlp_batch(0, 2)).backward()
@@ -249,7 +232,7 @@ def test_mixed_trainable_dtypes_rejected_by_first_forward():
 
 def _unfrozen_messages_body(rank, world_size):
     model = _build()
-    _shard(model, mesh=cpu_mesh())
+    shard_groups(model, fully_shard, model.blocks, mesh=cpu_mesh())
     model.blocks[0].base.requires_grad_(True)
     with pytest.raises(ValueError, match="blocks.0.base.weight") as info:
         model(mlp_batch(0, 2)[0])

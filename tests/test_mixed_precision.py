@@ -7,15 +7,16 @@ reduce dtype, and AdamW updates the fp32 master. fully_shard must match it
 within bf16 rounding (the only freedom left is the order in which the
 collective sums the ranks' gradients).
 
-All checks of one world size run in one process launch (cached per module);
-each pytest case then reads its own check's outcome.
+All checks of one world size run in one process launch (the ``launch_cases``
+fixture keeps it for the module's tests); each pytest case then reads its own
+check's outcome.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
+import functools
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
-from _multiproc import RankError, run_ranks
-from checks import TENSOR_COLLECTIVES, on_collectives
+from _multiproc import run_ranks
+from checks import TENSOR_COLLECTIVES, check_case, on_collectives, run_cases
 from models import (
     build_mlp,
     build_transformer,
@@ -50,10 +51,12 @@ PER_RANK_BATCH = 2
 # bf16 has an 8-bit significand: one rounding is a relative error of <= 2**-9.
 # Gradients differ from the hand reference only by the collective's summation
 # order (a few bf16 roundings); parameters and later losses by what AdamW makes
-# of that. Observed: bit-equal at W=2; at W=4 (bf16 reduction) about 1.9e-2 of
-# a gradient's largest entry, 4e-4 on parameters and 1.1e-3 on losses.
+# of that: its normalized update turns the rounding of a near-zero gradient
+# entry into a step off by up to 2 x lr (2e-2) on that entry. Observed: bit-equal at
+# W=2; at W=4 (bf16 reduction) about 2.3e-2 of a gradient's largest entry, 1e-2
+# on a parameter entry and 5e-4 on losses.
 GRAD_RTOL, GRAD_ATOL = 2e-2, 2e-3
-PARAM_RTOL, PARAM_ATOL = 1e-2, 1e-3
+PARAM_RTOL, PARAM_ATOL = 1e-2, 2e-2
 LOSS_RTOL, LOSS_ATOL = 0.0, 5e-3
 
 
@@ -137,7 +140,8 @@ class HandCastReference:
         self.opt.zero_grad()
 
 
-def _shard(model: nn.Module, policies: list[tuple[str, dict]], mesh) -> None:
+def _shard_by_fqn(model: nn.Module, policies: list[tuple[str, dict]], mesh) -> None:
+    """``fully_shard`` each listed submodule (bottom-up) with its own policy kwargs."""
     for fqn, policy in policies:
         fully_shard(model.get_submodule(fqn), mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy))
 
@@ -168,7 +172,7 @@ def _train_against_reference(rank, world_size, policies, metrics: dict, label: s
     """
     master = build_transformer(seed=5)
     model = copy.deepcopy(master)
-    _shard(model, policies, cpu_mesh(world_size))
+    _shard_by_fqn(model, policies, cpu_mesh(world_size))
     ref = HandCastReference(master, policies)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first_grads = None
@@ -277,7 +281,7 @@ def _check_per_module_policies(rank, world_size, metrics):
             m.register_forward_pre_hook(record("norm"))
         elif isinstance(m, nn.Linear):
             m.register_forward_pre_hook(record("linear"))
-    _shard(hooked, policies, cpu_mesh(world_size))
+    _shard_by_fqn(hooked, policies, cpu_mesh(world_size))
     out = hooked(transformer_batch(0, PER_RANK_BATCH * world_size)[0])
     assert out.dtype == FP32, f"root output_dtype=float32 not applied: {out.dtype}"
     assert seen["norm"] == {(FP32, FP32)}, f"norms must compute in fp32: {seen['norm']}"
@@ -488,74 +492,56 @@ CHECKS = {
 
 
 def _body(rank: int, world_size: int) -> dict:
-    outcome, metrics = {}, {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world_size, metrics)
-            outcome[name] = None
-        except AssertionError:
-            # Every assertion sees the same (gathered) values on all ranks, so
-            # the ranks stay in step and the next check can still run.
-            outcome[name] = traceback.format_exc()
-    outcome["metrics"] = metrics
-    return outcome
+    """Every check (``run_cases``), then the metrics they recorded, printed by the tests."""
+    metrics: dict = {}
+    cases = {name: functools.partial(check, metrics=metrics) for name, check in CHECKS.items()}
+    return {**run_cases(rank, world_size, cases), "metrics": metrics}
 
 
-_LAUNCHES: dict[int, tuple[bool, object]] = {}
-
-
-def _outcome(world_size: int, check: str) -> None:
-    if world_size not in _LAUNCHES:
-        try:
-            _LAUNCHES[world_size] = (True, run_ranks(_body, world_size))
-        except RankError as e:
-            _LAUNCHES[world_size] = (False, str(e))
-    ok, result = _LAUNCHES[world_size]
-    if not ok:
-        pytest.fail(f"launch for world_size={world_size} failed:\n{result}", pytrace=False)
-    errors = [f"--- rank {r}:\n{res[check]}" for r, res in enumerate(result) if res[check]]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    print(f"world_size={world_size} metrics: {result[0]['metrics']}")
+def _check(launch_cases, world_size: int, check: str) -> None:
+    """Fail unless ``check`` passed on every rank of this world size's one launch."""
+    outcome = launch_cases.run(_body, world_size)
+    check_case(outcome, check)
+    print(f"world_size={world_size} metrics: {outcome[1][0]['metrics']}")
 
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"ws{w}")
 
 
 @WORLD_SIZES
-def test_bf16_training_matches_hand_cast_reference(world_size):
+def test_bf16_training_matches_hand_cast_reference(world_size, launch_cases):
     """bf16 compute with bf16 or fp32 reduction matches the hand-cast reference; fp32 reduction is closer to fp32 grads."""
-    _outcome(world_size, "parity")
+    _check(launch_cases, world_size, "parity")
 
 
 @WORLD_SIZES
-def test_per_module_policies_fp32_norms_bf16_blocks(world_size):
+def test_per_module_policies_fp32_norms_bf16_blocks(world_size, launch_cases):
     """fp32 norms (output_dtype=bf16) inside bf16 blocks compute in their own dtypes and train with parity."""
-    _outcome(world_size, "per_module")
+    _check(launch_cases, world_size, "per_module")
 
 
 @WORLD_SIZES
-def test_collectives_carry_param_and_reduce_dtypes(world_size):
+def test_collectives_carry_param_and_reduce_dtypes(world_size, launch_cases):
     """All-gathers carry param_dtype (half the bytes), reduce-scatters reduce_dtype; sharded params and grads stay fp32."""
-    _outcome(world_size, "collectives")
+    _check(launch_cases, world_size, "collectives")
 
 
 @WORLD_SIZES
-def test_non_floating_params_and_buffers_never_cast(world_size):
+def test_non_floating_params_and_buffers_never_cast(world_size, launch_cases):
     """int64 parameters and buffers and float buffers keep their dtype and exact values under param_dtype=bf16."""
-    _outcome(world_size, "non_floating")
+    _check(launch_cases, world_size, "non_floating")
 
 
 @WORLD_SIZES
-def test_forward_inputs_and_outputs_cast(world_size):
+def test_forward_inputs_and_outputs_cast(world_size, launch_cases):
     """Floating inputs in nested args/kwargs are cast to param_dtype (unless disabled); outputs to output_dtype."""
-    _outcome(world_size, "io_casting")
+    _check(launch_cases, world_size, "io_casting")
 
 
 @WORLD_SIZES
-def test_fp16_reduction_divides_before_and_after_the_sum(world_size):
+def test_fp16_reduction_divides_before_and_after_the_sum(world_size, launch_cases):
     """fp16 gradients near the dtype's maximum are averaged without overflow (pre/post division)."""
-    _outcome(world_size, "fp16_range")
+    _check(launch_cases, world_size, "fp16_range")
 
 
 def _upstream_policy_body(rank, world_size):

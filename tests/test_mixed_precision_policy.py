@@ -21,7 +21,8 @@ import torch
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import IMPL, MixedPrecisionPolicy, fully_shard, needs_upstream
-from checks import check_case, launch_cases
+from checks import check_case
+from models import shard_groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -68,8 +69,12 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _train(rank, world_size, shard):
-    """Build, shard with ``shard(model, mesh)``, train; the losses and final full parameters."""
+def _train_accumulating(rank, world_size, shard):
+    """Build, shard with ``shard(model, mesh)``, train; the losses and final full parameters.
+
+    Each step's first micro-batch runs without gradient sync and each rank draws its own
+    data: not ``checks.train_steps``'s one synced backward on a slice of a shared batch.
+    """
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     model = Net()
@@ -98,28 +103,27 @@ def _assert_same(a, b, what):
 def _blocks_then_root(fully_shard_fn, policy_cls, **mp):
     def shard(model, mesh):
         policy = policy_cls(param_dtype=BF16, **mp)
-        for block in model.blocks:
-            fully_shard_fn(block, mesh=mesh, mp_policy=policy)
-        fully_shard_fn(model, mesh=mesh, mp_policy=policy)
+        shard_groups(model, fully_shard_fn, model.blocks, mesh=mesh, mp_policy=policy)
 
     return shard
 
 
 def _reduce_default(rank, world_size):
     """reduce_dtype=None reduces as the installed torch's upstream does, bit for bit."""
-    unset = _train(rank, world_size, _blocks_then_root(fully_shard, MixedPrecisionPolicy))
+    unset = _train_accumulating(rank, world_size,
+                                _blocks_then_root(fully_shard, MixedPrecisionPolicy))
     default = FP32 if REDUCE_IN_PARAM_DTYPE_BY_DEFAULT else BF16
     other = BF16 if default == FP32 else FP32
-    named = _train(rank, world_size, _blocks_then_root(
+    named = _train_accumulating(rank, world_size, _blocks_then_root(
         fully_shard, MixedPrecisionPolicy, reduce_dtype=default))
     _assert_same(unset, named, f"reduce_dtype=None vs {default}")
     if world_size > 1:
-        wrong = _train(rank, world_size, _blocks_then_root(
+        wrong = _train_accumulating(rank, world_size, _blocks_then_root(
             fully_shard, MixedPrecisionPolicy, reduce_dtype=other))
         assert any(not torch.equal(unset[1][n], wrong[1][n]) for n in unset[1]), (
             f"reduce_dtype=None trained exactly as reduce_dtype={other}: the test cannot tell"
         )
-    base = _train(rank, world_size, _blocks_then_root(
+    base = _train_accumulating(rank, world_size, _blocks_then_root(
         upstream.fully_shard, upstream.MixedPrecisionPolicy))
     _assert_same(unset, base, "against upstream")
 
@@ -133,9 +137,7 @@ def _override(rank, world_size):
     policy = MixedPrecisionPolicy(param_dtype=BF16, param_dtype_override_fn=_keep_norms_fp32)
 
     def with_override(model, mesh):
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        shard_groups(model, fully_shard, model.blocks, mesh=mesh, mp_policy=policy)
 
     def norms_apart(model, mesh):
         # The override also decides the reduce dtype: promoted over the group's gradients
@@ -146,7 +148,7 @@ def _override(rank, world_size):
             fully_shard(block, mesh=mesh, mp_policy=bf16)
         fully_shard(model, mesh=mesh, mp_policy=bf16)
 
-    ours = _train(rank, world_size, with_override)
+    ours = _train_accumulating(rank, world_size, with_override)
     model = ours[2]
     assert [b.norm.seen_dtype for b in model.blocks] == [FP32, FP32]
     model.blocks[0].unshard()
@@ -154,7 +156,7 @@ def _override(rank, world_size):
     model.blocks[0].reshard()
     assert all(isinstance(p, DTensor) and p.dtype == FP32 for p in model.parameters())
     # Not to the bit: the norm's own FSDP hooks reorder autograd's bf16 sums.
-    apart = _train(rank, world_size, norms_apart)
+    apart = _train_accumulating(rank, world_size, norms_apart)
     torch.testing.assert_close(ours[0], apart[0], rtol=2e-2, atol=1e-3)
     for name in ours[1]:
         torch.testing.assert_close(ours[1][name], apart[1][name], rtol=2e-2, atol=1e-3, msg=name)
@@ -162,9 +164,8 @@ def _override(rank, world_size):
         theirs = upstream.MixedPrecisionPolicy(
             param_dtype=BF16, param_dtype_override_fn=_keep_norms_fp32
         )
-        base = _train(rank, world_size, lambda m, mesh: [
-            upstream.fully_shard(x, mesh=mesh, mp_policy=theirs) for x in (*m.blocks, m)
-        ])
+        base = _train_accumulating(rank, world_size, lambda m, mesh: shard_groups(
+            m, upstream.fully_shard, m.blocks, mesh=mesh, mp_policy=theirs))
         _assert_same(ours, base, "against upstream")
     # Bad answers: ValueError at fully_shard, naming what was returned.
     for bad, match in ((torch.float16, "must return None, param_dtype"), ("fp32", "torch.dtype or None")):
@@ -173,22 +174,22 @@ def _override(rank, world_size):
             fully_shard(Block(), mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)
 
 
-def _launch(world_size):
+def _cases(world_size):
     cases = {"reduce_default": _reduce_default}
     if world_size == 2 and not (IMPL == "torch" and not upstream_has(
         "MixedPrecisionPolicy.param_dtype_override_fn"
     )):
         cases["override"] = _override
-    return launch_cases((__name__, world_size), world_size, cases)
+    return cases
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_reduce_dtype_default_follows_installed_torch(world_size):
+def test_reduce_dtype_default_follows_installed_torch(world_size, launch_cases):
     """reduce_dtype=None: bit-equal to the dtype the installed torch defaults to, and to upstream."""
-    check_case(_launch(world_size), "reduce_default")
+    check_case(launch_cases(world_size, _cases(world_size)), "reduce_default")
 
 
 @needs_upstream("MixedPrecisionPolicy.param_dtype_override_fn")
-def test_param_dtype_override_fn():
+def test_param_dtype_override_fn(launch_cases):
     """param_dtype_override_fn keeps chosen parameters' dtype; bad answers raise ValueError."""
-    check_case(_launch(2), "override")
+    check_case(launch_cases(2, _cases(2)), "override")

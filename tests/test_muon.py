@@ -23,8 +23,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from _multiproc import run_ranks
-from checks import check_case, launch_cases
-from models import build_transformer, full, global_mean, rank_slice, transformer_batch
+from checks import check_case
+from models import (
+    build_transformer,
+    full,
+    global_mean,
+    rank_slice,
+    shard_transformer,
+    transformer_batch,
+)
 from models import transformer_loss as loss_of
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -61,7 +68,8 @@ def _assert_equal(ref, model, ref_muon, muon, where: str) -> None:
         assert torch.equal(got, want), f"{where}: momentum differs"
 
 
-def _train(rank, world_size, *, mesh=None, hyper=HYPER, accum=1, wrap_ac=False, **shard_kwargs):
+def _train_ref_on_gathered_grads(rank, world_size, *, mesh=None, hyper=HYPER, accum=1,
+                                 wrap_ac=False, **shard_kwargs):
     """Train the sharded model and the single-device reference on its gathered gradients."""
     ref = build_transformer(seed=3)
     model = copy.deepcopy(ref)
@@ -69,9 +77,7 @@ def _train(rank, world_size, *, mesh=None, hyper=HYPER, accum=1, wrap_ac=False, 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
     mesh = mesh if mesh is not None else init_device_mesh("cpu", (world_size,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, **shard_kwargs)
-    fully_shard(model, mesh=mesh, **shard_kwargs)
+    shard_transformer(model, fully_shard, mesh=mesh, **shard_kwargs)
     muon, adamw = _optimizers(model, fsdp2.Muon, hyper)
     ref_muon, ref_adamw = _optimizers(ref, torch.optim.Muon, hyper)
     losses = []
@@ -94,12 +100,12 @@ def _train(rank, world_size, *, mesh=None, hyper=HYPER, accum=1, wrap_ac=False, 
 
 def _case_plain(rank, world_size):
     """1-D mesh: bit-equal to single-device Muon every step (uneven shards for W=3, 4)."""
-    _train(rank, world_size)
+    _train_ref_on_gathered_grads(rank, world_size)
 
 
 def _case_hyper(rank, world_size):
     """No Nesterov, match_rms_adamw learning-rate scaling, two NS coefficient sets: bit-equal."""
-    _train(
+    _train_ref_on_gathered_grads(
         rank,
         world_size,
         hyper={**HYPER, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "ns_steps": 4},
@@ -108,23 +114,25 @@ def _case_hyper(rank, world_size):
 
 def _case_grad_accumulation(rank, world_size):
     """Two microbatches per step (gradients accumulated in the sharded .grad): bit-equal."""
-    _train(rank, world_size, accum=2)
+    _train_ref_on_gathered_grads(rank, world_size, accum=2)
 
 
 def _case_offload(rank, world_size):
     """CPUOffloadPolicy (unpinned: no accelerator here): bit-equal."""
-    _train(rank, world_size, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    _train_ref_on_gathered_grads(
+        rank, world_size, offload_policy=CPUOffloadPolicy(pin_memory=False)
+    )
 
 
 def _case_activation_checkpointing(rank, world_size):
     """checkpoint_wrapper on each block, then fully_shard: bit-equal."""
-    _train(rank, world_size, wrap_ac=True)
+    _train_ref_on_gathered_grads(rank, world_size, wrap_ac=True)
 
 
 def _case_mixed_precision(rank, world_size):
     """bf16 compute: the update is bit-equal on the same gradients; loss within bf16 of fp32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    losses, _ = _train(rank, world_size, mp_policy=policy)
+    losses, _ = _train_ref_on_gathered_grads(rank, world_size, mp_policy=policy)
     for got, want in losses:
         assert abs(got - want) <= 2e-2 * abs(want), losses
 
@@ -132,7 +140,7 @@ def _case_mixed_precision(rank, world_size):
 def _case_hsdp(rank, world_size):
     """HSDP on a 2x2 (replicate, shard) mesh: bit-equal."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    _train(rank, world_size, mesh=mesh)
+    _train_ref_on_gathered_grads(rank, world_size, mesh=mesh)
 
 
 def _case_two_all_to_alls(rank, world_size):
@@ -325,43 +333,46 @@ CASES = {
 }
 
 
+def _cases(world_size: int, ckpt: str) -> dict:
+    """``CASES[world_size]``; W=4 also saves the checkpoint in ``ckpt``, W=2 and 3 resume it."""
+    cases = dict(CASES[world_size])
+    if world_size == 4:
+        cases["save"] = functools.partial(_case_save, ckpt)
+    elif world_size in (2, 3):
+        cases["resume"] = functools.partial(_case_resume, ckpt)
+    return cases
+
+
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory) -> str:
+def ckpt_dir(tmp_path_factory, launch_cases) -> str:
+    """The W=4 launch's checkpoint, saved before any other launch of this module reads it."""
     path = str(tmp_path_factory.mktemp("muon_ckpt"))
-    cases = {**CASES[4], "save": functools.partial(_case_save, path)}
-    check_case(launch_cases(("muon", 4), 4, cases), "save")
+    check_case(launch_cases(4, _cases(4, path)), "save")
     return path
 
 
-def _run(world_size: int, name: str, ckpt: str | None = None) -> None:
-    cases = dict(CASES[world_size])
-    if ckpt is not None and world_size in (2, 3):
-        cases["resume"] = functools.partial(_case_resume, ckpt)
-    check_case(launch_cases(("muon", world_size), world_size, cases), name)
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_bit_equal_to_single_device_muon(world_size, ckpt_dir):
+def test_bit_equal_to_single_device_muon(world_size, ckpt_dir, launch_cases):
     """1-D mesh at W = 1..4 (uneven shards at 3 and 4): every step bit-equal to torch.optim.Muon."""
-    _run(world_size, "plain", ckpt_dir)
+    check_case(launch_cases(world_size, _cases(world_size, ckpt_dir)), "plain")
 
 
-def test_hyperparameters_bit_equal(ckpt_dir):
+def test_hyperparameters_bit_equal(ckpt_dir, launch_cases):
     """nesterov=False, adjust_lr_fn='match_rms_adamw', ns_steps=4 at W=3: bit-equal."""
-    _run(3, "hyper", ckpt_dir)
+    check_case(launch_cases(3, _cases(3, ckpt_dir)), "hyper")
 
 
 @pytest.mark.parametrize(
     "case", ["grad_accumulation", "offload", "activation_checkpointing", "mixed_precision"]
 )
-def test_composition_bit_equal(case, ckpt_dir):
+def test_composition_bit_equal(case, ckpt_dir, launch_cases):
     """Gradient accumulation, CPU offload, activation checkpointing, bf16 compute at W=2."""
-    _run(2, case, ckpt_dir)
+    check_case(launch_cases(2, _cases(2, ckpt_dir)), case)
 
 
-def test_hsdp_bit_equal(ckpt_dir):
+def test_hsdp_bit_equal(ckpt_dir, launch_cases):
     """HSDP 2x2: bit-equal to torch.optim.Muon."""
-    _run(4, "hsdp")
+    check_case(launch_cases(4, _cases(4, ckpt_dir)), "hsdp")
 
 
 @pytest.mark.parametrize(
@@ -369,30 +380,30 @@ def test_hsdp_bit_equal(ckpt_dir):
     [(1, "experts_split"), (3, "experts_split"), (4, "experts_split"),
      (2, "experts_whole"), (4, "experts_whole")],
 )
-def test_stacked_experts_bit_equal(world_size, case, ckpt_dir):
+def test_stacked_experts_bit_equal(world_size, case, ckpt_dir, launch_cases):
     """3-D expert stacks, sharded within or across matrices: each expert bit-equal to 2-D Muon."""
-    _run(world_size, case, ckpt_dir)
+    check_case(launch_cases(world_size, _cases(world_size, ckpt_dir)), case)
 
 
-def test_step_is_two_all_to_alls(ckpt_dir):
+def test_step_is_two_all_to_alls(ckpt_dir, launch_cases):
     """optimizer.step() communicates with exactly two all-to-alls."""
-    _run(2, "two_all_to_alls", ckpt_dir)
+    check_case(launch_cases(2, _cases(2, ckpt_dir)), "two_all_to_alls")
 
 
-def test_load_balance(ckpt_dir):
+def test_load_balance(ckpt_dir, launch_cases):
     """The owners' Newton-Schulz work is within 1.25x of an even split at W=4."""
-    _run(4, "load_balance")
+    check_case(launch_cases(4, _cases(4, ckpt_dir)), "load_balance")
 
 
-def test_bad_input_raises_on_every_rank(ckpt_dir):
+def test_bad_input_raises_on_every_rank(ckpt_dir, launch_cases):
     """Clear errors naming the parameter and the fix, at construction, on all 4 ranks."""
-    _run(4, "bad_input")
+    check_case(launch_cases(4, _cases(4, ckpt_dir)), "bad_input")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_checkpoint_reshards(world_size, ckpt_dir):
+def test_checkpoint_reshards(world_size, ckpt_dir, launch_cases):
     """DCP save at W=4, load at W=2 / W=3: the next steps equal the uninterrupted W=4 run."""
-    _run(world_size, "resume", ckpt_dir)
+    check_case(launch_cases(world_size, _cases(world_size, ckpt_dir)), "resume")
 
 
 def test_signature_matches_torch_muon():

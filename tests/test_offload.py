@@ -6,20 +6,29 @@ with the same run without offload, also under bf16 mixed precision), that every
 sharded tensor the optimizer touches is a CPU tensor, that meta-device init
 works, and that parameters off the CPU are reported.
 
-The checks of one world size run in one process launch (cached per module).
+The checks of one world size run in one process launch (kept for the module's
+tests by the ``launch_cases`` fixture).
 """
 
 from __future__ import annotations
 
 import copy
-import traceback
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 from _impl import IMPL, CPUOffloadPolicy, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from _multiproc import RankError, run_ranks
-from checks import ATOL, RTOL, assert_losses_match, make_opts, train_steps
+from _multiproc import run_ranks
+from checks import (
+    ATOL,
+    RTOL,
+    assert_losses_match,
+    check_case,
+    make_opts,
+    train_alone,
+    train_steps,
+)
 from models import (
     assert_params_match,
     build_transformer,
@@ -66,18 +75,6 @@ def _check_fp32_parity(rank, world_size, policy_kwargs):
     _assert_on_cpu(model, opts[1], "after training")
 
 
-def _train(model: nn.Module, rank: int, world_size: int) -> tuple[list[float], nn.Module]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for batch in _batches(world_size):
-        loss = transformer_loss(model, rank_slice(batch, rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, opt
-
-
 def _check_bf16_same_as_without_offload(rank, world_size, policy_kwargs):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     base = build_transformer(seed=7)
@@ -85,8 +82,11 @@ def _check_bf16_same_as_without_offload(rank, world_size, policy_kwargs):
     offloaded = shard_transformer(
         copy.deepcopy(base), fully_shard, mesh=cpu_mesh(), mp_policy=mp, **policy_kwargs
     )
-    plain_losses, _ = _train(plain, rank, world_size)
-    losses, opt = _train(offloaded, rank, world_size)
+    plain_losses = train_alone(plain, _batches(world_size), transformer_loss, rank, world_size,
+                               mean=False)
+    opt = torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
+    losses = train_alone(offloaded, _batches(world_size), transformer_loss, rank, world_size, opt,
+                         mean=False)
     assert losses == plain_losses, f"offload changed the losses: {losses} vs {plain_losses}"
     for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
         assert p.dtype == torch.float32, (name, p.dtype)
@@ -118,67 +118,43 @@ CHECKS = {
 }
 
 
-def _body(rank: int, world_size: int, variants: dict) -> dict:
-    outcome = {}
-    for variant, policy_kwargs in variants.items():
-        for name, check in CHECKS.items():
-            try:
-                check(rank, world_size, policy_kwargs)
-                outcome[(variant, name)] = None
-            except AssertionError:
-                # Compared values are gathered first: every rank fails alike.
-                outcome[(variant, name)] = traceback.format_exc()
-    return outcome
-
-
-_LAUNCHES: dict[int, tuple[bool, object]] = {}
-
-
-def _outcome(world_size: int, variant: str, check: str) -> None:
-    if world_size not in _LAUNCHES:
-        variants = {"no_pin": NO_PIN}
-        if IMPL == "fsdp2":  # the default policy, pin_memory=True, on a CPU mesh
-            variants["default"] = {"offload_policy": CPUOffloadPolicy()}
-        try:
-            _LAUNCHES[world_size] = (True, run_ranks(_body, world_size, variants))
-        except RankError as e:
-            _LAUNCHES[world_size] = (False, str(e))
-    ok, result = _LAUNCHES[world_size]
-    if not ok:
-        pytest.fail(f"launch for world_size={world_size} failed:\n{result}", pytrace=False)
-    key = (variant, check)
-    errors = [f"--- rank {r}:\n{res[key]}" for r, res in enumerate(result) if res[key]]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
+VARIANTS = {"no_pin": NO_PIN}
+if IMPL == "fsdp2":  # the default policy, pin_memory=True, on a CPU mesh
+    VARIANTS["default"] = {"offload_policy": CPUOffloadPolicy()}
+CASES = {
+    f"{variant}/{name}": functools.partial(check, policy_kwargs=policy_kwargs)
+    for variant, policy_kwargs in VARIANTS.items()
+    for name, check in CHECKS.items()
+}
 
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"ws{w}")
 
 
 @WORLD_SIZES
-def test_offload_trains_like_reference_with_cpu_state(world_size):
+def test_offload_trains_like_reference_with_cpu_state(world_size, launch_cases):
     """Offloaded fp32 training matches the reference; params, grads and optimizer state are CPU tensors."""
-    _outcome(world_size, "no_pin", "fp32_parity")
+    check_case(launch_cases(world_size, CASES), "no_pin/fp32_parity")
 
 
 @WORLD_SIZES
-def test_offload_with_bf16_changes_no_bits(world_size):
+def test_offload_with_bf16_changes_no_bits(world_size, launch_cases):
     """Offload under bf16 mixed precision gives bit-identical losses and params to no offload."""
-    _outcome(world_size, "no_pin", "bf16_same")
+    check_case(launch_cases(world_size, CASES), "no_pin/bf16_same")
 
 
 @WORLD_SIZES
-def test_offload_meta_init_to_empty_cpu(world_size):
+def test_offload_meta_init_to_empty_cpu(world_size, launch_cases):
     """Meta-device model, fully_shard with offload, to_empty(device='cpu') and a load trains with parity."""
-    _outcome(world_size, "no_pin", "meta_init")
+    check_case(launch_cases(world_size, CASES), "no_pin/meta_init")
 
 
 @fsdp2_only
 @pytest.mark.parametrize("check", list(CHECKS))
 @WORLD_SIZES
-def test_default_pinned_offload_works_on_cpu_mesh(world_size, check):
+def test_default_pinned_offload_works_on_cpu_mesh(world_size, check, launch_cases):
     """CPUOffloadPolicy() (pin_memory=True) works on a CPU mesh (upstream fails to pin without an accelerator)."""
-    _outcome(world_size, "default", check)
+    check_case(launch_cases(world_size, CASES), f"default/{check}")
 
 
 def _not_on_cpu_body(rank, world_size):

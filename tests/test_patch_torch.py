@@ -22,11 +22,10 @@ import pytest
 import torch
 import torch.distributed.fsdp
 from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import check_case, launch_cases
+from checks import check_case, train_alone
 from models import (
     build_transformer,
     cpu_mesh,
-    global_mean,
     rank_slice,
     shard_transformer,
     transformer_batch,
@@ -188,7 +187,7 @@ from torch.distributed._composable.fsdp import fully_shard as legacy_fully_shard
 def shard(model, mesh, mp_policy=None):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
-    legacy_fully_shard(model, mesh=mesh)
+    legacy_fully_shard(model, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     assert isinstance(model, FSDPModule)
     return model
 '''
@@ -239,17 +238,8 @@ def _library_case(rank, world_size):
     assert not isinstance(model, torch.distributed.fsdp.FSDPModule)
 
 
-def _train(model, rank, world_size, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        batch = rank_slice(transformer_batch(step, 2 * world_size), rank, world_size)
-        loss = transformer_loss(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return torch.stack(losses)
+def _batches(world_size):
+    return [transformer_batch(step, 2 * world_size) for step in range(3)]
 
 
 def _training_case(rank, world_size):
@@ -265,9 +255,10 @@ def _training_case(rank, world_size):
             mp_policy=upstream.MixedPrecisionPolicy(**policy),
         )
         assert isinstance(patched, fsdp2.FSDPModule), type(patched).__mro__
-        patched_losses = _train(patched, rank, world_size)
-    direct_losses = _train(direct, rank, world_size)
-    assert torch.equal(patched_losses, direct_losses), (patched_losses, direct_losses)
+        patched_losses = train_alone(patched, _batches(world_size), transformer_loss, rank,
+                                     world_size)
+    direct_losses = train_alone(direct, _batches(world_size), transformer_loss, rank, world_size)
+    assert patched_losses == direct_losses, (patched_losses, direct_losses)
     for (name, p), q, p0 in zip(patched.named_parameters(), direct.parameters(), base.parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
         assert not torch.equal(p.full_tensor(), p0), f"{name} did not train"
@@ -297,22 +288,18 @@ def _spmd_case(rank, world_size):
 CASES = {"library": _library_case, "training": _training_case, "spmd": _spmd_case}
 
 
-def _outcome():
-    return launch_cases(__name__, 2, CASES)
-
-
 @fsdp2_only
-def test_library_binding_names_while_patched_shards_with_fsdp2():
+def test_library_binding_names_while_patched_shards_with_fsdp2(launch_cases):
     """`from torch.distributed.fsdp import fully_shard, FSDPModule` while patched yields fsdp2 modules."""
-    check_case(_outcome(), "library")
+    check_case(launch_cases(2, CASES), "library")
 
 
-def test_training_through_patched_names_matches_direct_calls():
+def test_training_through_patched_names_matches_direct_calls(launch_cases):
     """2-rank bf16 training via torch.distributed.fsdp's patched names: same losses as direct calls."""
-    check_case(_outcome(), "training")
+    check_case(launch_cases(2, CASES), "training")
 
 
 @fsdp2_only
-def test_dp_mesh_dims_and_share_comm_ctx_through_patched_names():
+def test_dp_mesh_dims_and_share_comm_ctx_through_patched_names(launch_cases):
     """DataParallelMeshDims / share_comm_ctx looked up in torch.distributed.fsdp while patched are fsdp2's."""
-    check_case(_outcome(), "spmd")
+    check_case(launch_cases(2, CASES), "spmd")

@@ -35,7 +35,7 @@ import torch.distributed.fsdp as upstream
 import torch.distributed.pipelining as pipelining
 import torch.nn as nn
 from _impl import IMPL, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import _PATCHED, check_case, launch_cases, on_collectives
+from checks import _PATCHED, check_case, on_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -87,8 +87,11 @@ def _stage_indices(schedule: str, pp_rank: int, pp: int = 2) -> tuple[list[int],
     return [pp_rank, pp_rank + pp], 2 * pp
 
 
-def _train(schedule, shard, stage_cls, mesh, mp=False, reshard_after_forward=None):
-    """Train the stages this rank holds; per-step collective counts, losses, final full params."""
+def _train_pipeline(schedule, shard, stage_cls, mesh, mp=False, reshard_after_forward=None):
+    """Train the stages this rank holds; per-step collective counts, losses, final full params.
+
+    The schedule runs forward and backward over the stages, so not ``checks.train_steps``.
+    """
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     tp = "tp" in mesh.mesh_dim_names
     indices, num_stages = _stage_indices(schedule, pp_rank)
@@ -152,13 +155,15 @@ def _parity_case(schedule, mp=False, reshard_after_forward=None, ours_stage=None
         dims = ("pp", "dp", "tp")[: 3 if world_size == 8 else 2]
         mesh = init_device_mesh("cpu", (2,) * len(dims), mesh_dim_names=dims)
         settings = {"mp": mp, "reshard_after_forward": reshard_after_forward}
-        base = _train(schedule, upstream.fully_shard, pipelining.PipelineStage, mesh, **settings)
+        base = _train_pipeline(schedule, upstream.fully_shard, pipelining.PipelineStage, mesh,
+                               **settings)
         if patched:
             with fsdp2.patch_torch():
-                ours = _train(schedule, fully_shard, pipelining.PipelineStage, mesh, **settings)
+                ours = _train_pipeline(schedule, fully_shard, pipelining.PipelineStage, mesh,
+                                       **settings)
         else:
             stage_cls = ours_stage or fsdp2.pipelining.PipelineStage
-            ours = _train(schedule, fully_shard, stage_cls, mesh, **settings)
+            ours = _train_pipeline(schedule, fully_shard, stage_cls, mesh, **settings)
         (base_counts, base_losses, base_params, groups), (counts, losses, params, _) = base, ours
         # Bitwise; torch's own stage reduces per micro-batch, which rounds differently.
         tol = {"rtol": 1e-5, "atol": 1e-6} if ours_stage else {"rtol": 0, "atol": 0}
@@ -242,37 +247,33 @@ if IMPL == "fsdp2" and PIPELINING_USES_PUBLIC_FSDP_API:
 CASES_8 = {"1F1B": _parity_case("1F1B")}
 
 
-def _launch(world_size):
-    return launch_cases((__name__, world_size), world_size, CASES_4 if world_size == 4 else CASES_8)
-
-
 @pytest.mark.parametrize("schedule", [*SINGLE, *MULTI])
-def test_schedule_matches_upstream_with_no_more_collectives(schedule):
+def test_schedule_matches_upstream_with_no_more_collectives(schedule, launch_cases):
     """pp=2 x dp=2: identical losses and parameters; per step no more collectives than upstream."""
-    check_case(_launch(4), schedule)
+    check_case(launch_cases(4, CASES_4), schedule)
 
 
 @pytest.mark.parametrize("case", ["1F1B/mp", "Interleaved1F1B/mp"])
-def test_mixed_precision(case):
+def test_mixed_precision(case, launch_cases):
     """bf16 parameters, fp32 reduction: identical to upstream, no more collectives."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, CASES_4), case)
 
 
 @pytest.mark.parametrize("case", ["GPipe/no_reshard", "ZBVZeroBubble/no_reshard"])
-def test_reshard_after_forward_false(case):
+def test_reshard_after_forward_false(case, launch_cases):
     """reshard_after_forward=False (torchtitan's PP default): identical, no more collectives."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, CASES_4), case)
 
 
 @pytest.mark.parametrize("case", ["1F1B/torch_stage", "Interleaved1F1B/torch_stage"])
-def test_torchs_own_stage_still_trains_the_same(case):
+def test_torchs_own_stage_still_trains_the_same(case, launch_cases):
     """torch's plain PipelineStage over these modules: upstream's losses and parameters."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, CASES_4), case)
 
 
-def test_with_tensor_parallel():
+def test_with_tensor_parallel(launch_cases):
     """pp=2 x dp=2 x tp=2 (W = 8), 1F1B: identical to upstream, no more collectives."""
-    check_case(_launch(8), "1F1B")
+    check_case(launch_cases(8, CASES_8), "1F1B")
 
 
 @fsdp2_only
@@ -281,12 +282,12 @@ def test_with_tensor_parallel():
     reason="torch's pipelining reads upstream's private FSDP state before torch 2.15",
 )
 @pytest.mark.parametrize("case", [*(f"{n}/patched" for n in PATCHED), "1F1B/patched/mp"])
-def test_torchs_own_stage_under_patch_torch(case):
+def test_torchs_own_stage_under_patch_torch(case, launch_cases):
     """torch >= 2.15: torch's PipelineStage over fsdp2 under patch_torch(): bitwise, no more collectives."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, CASES_4), case)
 
 
 @fsdp2_only
-def test_finish_backward():
+def test_finish_backward(launch_cases):
     """FSDPModule.finish_backward reduces accumulated grads once per group; refused off the root."""
-    check_case(_launch(4), "finish_backward")
+    check_case(launch_cases(4, CASES_4), "finish_backward")

@@ -28,12 +28,7 @@ from _multiproc import run_ranks
 
 pytest.importorskip("transformers")
 
-from fsdp2.plan import (  # noqa: E402
-    PlanConfig,
-    plan,
-    search,
-    workload,  # noqa: E402
-)
+from fsdp2.plan import PlanConfig, plan, search, workload  # noqa: E402
 from fsdp2.plan.cost import get_device  # noqa: E402
 from fsdp2.plan.simulate import _make_optimizer, shard_model  # noqa: E402
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import fully_shard
-from checks import check_case, launch_cases
-from models import cpu_mesh, global_mean, rank_slice
+from checks import check_case, full_params, train_alone
+from models import cpu_mesh
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
@@ -35,7 +35,11 @@ class Net(nn.Module):
         return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
-def _train(shard_fn, prefetch, rank, world_size):
+def _build_and_train(shard_fn, prefetch, rank, world_size):
+    """Children sharded by ``shard_fn`` under ``replicate`` (None: plain, whole batches); train.
+
+    Returns the losses and the final full parameters.
+    """
     torch.manual_seed(0)
     model = Net(prefetch and shard_fn is not None)
     if shard_fn is not None:
@@ -43,29 +47,23 @@ def _train(shard_fn, prefetch, rank, world_size):
         shard_fn(model.a, mesh=mesh)
         shard_fn(model.b, mesh=mesh)
         replicate(model.to("cpu"), device_ids=None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(3)
-    losses = []
-    for _ in range(3):
-        batch = torch.randn(2 * world_size, 8, generator=gen)
-        x = batch if shard_fn is None else rank_slice((batch,), rank, world_size)[0]
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item() if shard_fn is None else global_mean(loss.detach()).item())
-    full = {}
-    for name, p in model.named_parameters():
-        p = p.detach()
-        full[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
-    return losses, full
+    batches = [(torch.randn(2 * world_size, 8, generator=gen),) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = train_alone(model, batches, _loss, None if shard_fn is None else rank, world_size, opt)
+    return losses, full_params(model)
+
+
+def _loss(model, batch):
+    (x,) = batch
+    return model(x).pow(2).mean()
 
 
 def _case(prefetch):
     def body(rank, world_size):
-        losses, params = _train(fully_shard, prefetch, rank, world_size)
-        up_losses, up_params = _train(upstream_fully_shard, prefetch, rank, world_size)
-        ref_losses, ref_params = _train(None, prefetch, rank, world_size)
+        losses, params = _build_and_train(fully_shard, prefetch, rank, world_size)
+        up_losses, up_params = _build_and_train(upstream_fully_shard, prefetch, rank, world_size)
+        ref_losses, ref_params = _build_and_train(None, prefetch, rank, world_size)
         assert losses == up_losses, (losses, up_losses)
         assert sorted(params) == sorted(up_params) == sorted(ref_params)
         for name in ref_params:
@@ -81,6 +79,6 @@ CASES = {"async-unshard": _case(True), "plain": _case(False)}
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fully_shard_under_replicate_matches_upstream(case, world_size):
+def test_fully_shard_under_replicate_matches_upstream(case, world_size, launch_cases):
     """Sharded children under replicate(model.to(device)) train as upstream and the reference."""
-    check_case(launch_cases(("replicate", world_size), world_size, CASES), case)
+    check_case(launch_cases(world_size, CASES), case)

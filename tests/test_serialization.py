@@ -24,7 +24,7 @@ import torch
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import CPUOffloadPolicy, fully_shard
-from checks import check_case, launch_cases
+from checks import check_case
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -257,6 +257,6 @@ _ROWS = [(w, name) for w, cases in _CASES.items() for name in cases]
 
 
 @pytest.mark.parametrize("world_size,name", _ROWS, ids=[f"ws{w}-{n}" for w, n in _ROWS])
-def test_serialization(world_size: int, name: str) -> None:
+def test_serialization(world_size: int, name: str, launch_cases) -> None:
     """One serialization row (see the module docstring) at one world size."""
-    check_case(launch_cases(("serialization", world_size), world_size, _CASES[world_size]), name)
+    check_case(launch_cases(world_size, _CASES[world_size]), name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 from _impl import fully_shard
-from checks import assert_losses_match, check_case, launch_cases, record_collectives, train_steps
+from checks import assert_losses_match, check_case, record_collectives, train_steps
 from models import (
     assert_params_match,
     build_transformer,
@@ -78,21 +78,18 @@ def _two_meshes(rank, world_size):
 
 CASES = {"shard1": _shard1, "reshard_to_two": _reshard_to_two, "two_meshes": _two_meshes}
 
-def _result():
-    return launch_cases(__name__, 4, CASES)
 
-
-def test_shard_placement_fn_shard1():
+def test_shard_placement_fn_shard1(launch_cases):
     """shard_placement_fn -> Shard(1): placements, local shapes and training match the reference."""
-    check_case(_result(), "shard1")
+    check_case(launch_cases(4, CASES), "shard1")
 
 
-def test_reshard_after_forward_int():
+def test_reshard_after_forward_int(launch_cases):
     """reshard_after_forward=2 on 4 ranks: backward all-gathers over 2 ranks; training matches."""
-    check_case(_result(), "reshard_to_two")
+    check_case(launch_cases(4, CASES), "reshard_to_two")
 
 
 @pytest.mark.parametrize("case", ["two_meshes"])
-def test_two_meshes_in_one_model(case):
+def test_two_meshes_in_one_model(case, launch_cases):
     """Feed-forward "experts" on an HSDP mesh, the rest on a 1-D mesh, trained together."""
-    check_case(_result(), case)
+    check_case(launch_cases(4, CASES), case)

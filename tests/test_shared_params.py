@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import IMPL, fsdp2_only, fully_shard
-from checks import assert_losses_match, check_case, launch_cases, train_steps
+from checks import assert_losses_match, check_case, train_steps
 from models import (
     Block,
     assert_params_match,
@@ -197,83 +197,81 @@ FSDP2_CASES = {
 }
 
 
-def _run(name: str, world_size: int) -> None:
-    cases = dict(CASES, **(FSDP2_CASES if IMPL == "fsdp2" else {}))
-    check_case(launch_cases(("shared_params", world_size), world_size, cases), name)
+ALL_CASES = dict(CASES, **(FSDP2_CASES if IMPL == "fsdp2" else {}))
 
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4])
 
 
 @WORLD_SIZES
-def test_separate_calls(world_size):
+def test_separate_calls(world_size, launch_cases):
     """Tied tok/out given to separate fully_shard calls: ValueError at the first forward."""
-    _run("separate_calls", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "separate_calls")
 
 
 @WORLD_SIZES
-def test_output_then_root(world_size):
+def test_output_then_root(world_size, launch_cases):
     """The head sharded before the root holding the tied embedding: ValueError on the head."""
-    _run("output_then_root", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "output_then_root")
 
 
 @WORLD_SIZES
-def test_embedding_then_root(world_size):
+def test_embedding_then_root(world_size, launch_cases):
     """The embedding sharded before the root holding the tied head: ValueError on the embedding."""
-    _run("embedding_then_root", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "embedding_then_root")
 
 
 @WORLD_SIZES
-def test_nested_calls(world_size):
+def test_nested_calls(world_size, launch_cases):
     """A weight tied inside a block, one holder sharded alone first (nested calls): ValueError."""
-    _run("nested_calls", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "nested_calls")
 
 
 @WORLD_SIZES
-def test_shared_across_blocks(world_size):
+def test_shared_across_blocks(world_size, launch_cases):
     """A weight shared by two blocks sharded one call each: ValueError naming the second block's."""
-    _run("shared_across_blocks", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "shared_across_blocks")
 
 
 @WORLD_SIZES
-def test_shard_model_matching_linears(world_size):
+def test_shard_model_matching_linears(world_size, launch_cases):
     """torchtune's shard_model with conditions matching the tied embedding and head: ValueError."""
-    _run("shard_model_linears", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "shard_model_linears")
 
 
 @WORLD_SIZES
-def test_shared_check_before_meta_check(world_size):
+def test_shared_check_before_meta_check(world_size, launch_cases):
     """On a meta model the shared-parameter ValueError comes before the meta RuntimeError."""
-    _run("raises_before_meta_check", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "raises_before_meta_check")
 
 
 @WORLD_SIZES
-def test_list_group_keeps_tie(world_size):
+def test_list_group_keeps_tie(world_size, launch_cases):
     """fully_shard([tok, out]) (upstream's advice) keeps one parameter and trains with parity."""
-    _run("list_group", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "list_group")
 
 
 @WORLD_SIZES
-def test_shard_model_blocks_keeps_tie(world_size):
+def test_shard_model_blocks_keeps_tie(world_size, launch_cases):
     """torchtune's shard_model over blocks only: the root holds the tie; parity."""
-    _run("shard_model_blocks", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "shard_model_blocks")
 
 
 @WORLD_SIZES
-def test_ignored_in_every_call_keeps_tie(world_size):
+def test_ignored_in_every_call_keeps_tie(world_size, launch_cases):
     """A tied weight ignored by every call stays one plain parameter; parity on full batches."""
-    _run("ignored_everywhere", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "ignored_everywhere")
 
 
 @fsdp2_only
 @WORLD_SIZES
-def test_ignored_in_one_call_only(world_size):
+def test_ignored_in_one_call_only(world_size, launch_cases):
     """Sharded by one call, ignored by another: ValueError (upstream unties it silently)."""
-    _run("ignored_in_one_call", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "ignored_in_one_call")
 
 
 @fsdp2_only
 @WORLD_SIZES
-def test_tied_after_fully_shard(world_size):
+def test_tied_after_fully_shard(world_size, launch_cases):
     """A head tied to a sharded parameter after fully_shard: ValueError (upstream: TypeError)."""
-    _run("tied_after_fully_shard", world_size)
+    check_case(launch_cases(world_size, ALL_CASES), "tied_after_fully_shard")

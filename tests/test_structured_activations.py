@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import MixedPrecisionPolicy, fully_shard
-from checks import check_case, launch_cases
-from models import cpu_mesh, global_mean, rank_slice
+from checks import check_case, full_params, train_alone
+from models import cpu_mesh, shard_groups
 from torch.distributed.fsdp import MixedPrecisionPolicy as UpstreamMP
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
@@ -92,7 +92,11 @@ PRECISIONS = {
 }
 
 
-def _train(kind, precision, shard_fn, policy_cls, rank, world_size):
+def _build_and_train(kind, precision, shard_fn, policy_cls, rank, world_size):
+    """Blocks then root sharded by ``shard_fn`` (None: plain, whole batches); SGD steps.
+
+    Returns the losses and the final full parameters.
+    """
     torch.manual_seed(0)
     model = Net(kind)
     if shard_fn is not None:
@@ -100,38 +104,32 @@ def _train(kind, precision, shard_fn, policy_cls, rank, world_size):
         if PRECISIONS[precision] is not None:
             param_dtype, reduce_dtype = PRECISIONS[precision]
             kwargs["mp_policy"] = policy_cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for block in model.blocks:
-            shard_fn(block, **kwargs)
-        shard_fn(model, **kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        shard_groups(model, shard_fn, model.blocks, **kwargs)
     gen = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(3):
-        batch = torch.randn(2 * world_size, DIM, generator=gen)
-        x = batch if shard_fn is None else rank_slice((batch,), rank, world_size)[0]
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item() if shard_fn is None else global_mean(loss.detach()).item())
-    params = {
-        n: (p.full_tensor() if shard_fn is not None else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-    return losses, params
+    batches = [(torch.randn(2 * world_size, DIM, generator=gen),) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = train_alone(model, batches, _loss, None if shard_fn is None else rank, world_size, opt)
+    return losses, full_params(model)
+
+
+def _loss(model, batch):
+    (x,) = batch
+    return model(x).float().pow(2).mean()
 
 
 def _case(kind, precision):
     def body(rank, world_size):
-        losses, params = _train(kind, precision, fully_shard, MixedPrecisionPolicy, rank, world_size)
-        up_losses, up_params = _train(
+        losses, params = _build_and_train(
+            kind, precision, fully_shard, MixedPrecisionPolicy, rank, world_size
+        )
+        up_losses, up_params = _build_and_train(
             kind, precision, upstream_fully_shard, UpstreamMP, rank, world_size
         )
         assert losses == up_losses, (losses, up_losses)
         for name, value in up_params.items():
             assert torch.equal(params[name], value), name
         if precision == "fp32":
-            ref_losses, ref_params = _train(kind, precision, None, None, rank, world_size)
+            ref_losses, ref_params = _build_and_train(kind, precision, None, None, rank, world_size)
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
             for name, value in ref_params.items():
                 torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6)
@@ -148,6 +146,6 @@ CASES = {
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_structured_activations_match_upstream(case, world_size):
+def test_structured_activations_match_upstream(case, world_size, launch_cases):
     """Dataclass / nested dataclass / namedtuple activations train as upstream (and the reference)."""
-    check_case(launch_cases(("structured", world_size), world_size, CASES), case)
+    check_case(launch_cases(world_size, CASES), case)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import CPUOffloadPolicy, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import ATOL, RTOL, check_case, count_collectives, launch_cases, make_opts, train_steps
+from checks import ATOL, RTOL, check_case, count_collectives, make_opts, train_steps
 from models import (
     assert_grads_match,
     assert_params_match,
@@ -274,9 +274,9 @@ CASES = {
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_summon_full_params(case, world_size):
+def test_summon_full_params(case, world_size, launch_cases):
     """summon_full_params case ``case`` matches the unsharded reference at this world size."""
-    check_case(launch_cases(("summon", world_size), world_size, CASES), case)
+    check_case(launch_cases(world_size, CASES), case)
 
 
 def _hsdp_body(rank, world_size):
@@ -295,11 +295,11 @@ def _hsdp_body(rank, world_size):
 FOUR_RANK_CASES = {"hsdp": _hsdp_body, "int_reshard_after_forward": _case_int_reshard_after_forward}
 
 
-def test_summon_full_params_hsdp():
+def test_summon_full_params_hsdp(launch_cases):
     """HSDP on a 2x2 mesh: one all-gather per group over the shard dim, write-back, training."""
-    check_case(launch_cases("summon_4", 4, FOUR_RANK_CASES), "hsdp")
+    check_case(launch_cases(4, FOUR_RANK_CASES), "hsdp")
 
 
-def test_summon_full_params_int_reshard_after_forward():
+def test_summon_full_params_int_reshard_after_forward(launch_cases):
     """reshard_after_forward=2 on 4 ranks: summoned after a step; refused between forward and backward."""
-    check_case(launch_cases("summon_4", 4, FOUR_RANK_CASES), "int_reshard_after_forward")
+    check_case(launch_cases(4, FOUR_RANK_CASES), "int_reshard_after_forward")

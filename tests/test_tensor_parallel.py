@@ -16,7 +16,6 @@ from checks import (
     assert_losses_match,
     assert_nested_close,
     check_case,
-    launch_cases,
     make_opts,
     train_steps,
 )
@@ -26,6 +25,7 @@ from models import (
     full,
     make_pair,
     rank_slice,
+    shard_transformer,
     transformer_batch,
     transformer_loss,
 )
@@ -74,10 +74,7 @@ def _meshes(dp_dims):
 def _parallelize(model, mesh, dp_mesh):
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], TP_PLAN)
-    for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model
+    return shard_transformer(model, fully_shard, mesh=dp_mesh)
 
 
 def _dp_rank(dp_mesh):
@@ -161,31 +158,33 @@ def _full_state_dict(rank, world_size, dp_dims):
         assert torch.equal(p.to_local(), q.to_local()), name
 
 
-def _result(world_size: int, dp_dims: tuple):
-    cases = {
+def _cases(dp_dims: tuple) -> dict:
+    return {
         "tp": lambda r, w: _tp_parity(r, w, dp_dims),
         "full_state_dict": lambda r, w: _full_state_dict(r, w, dp_dims),
     }
-    return launch_cases((__name__, world_size), world_size, cases)
 
 
-def test_fsdp_tp_2d():
+CASES = {4: _cases(("dp",)), 8: _cases(("replicate", "shard"))}  # by world size
+
+
+def test_fsdp_tp_2d(launch_cases):
     """FSDP+TP on a 2x2 (dp, tp) mesh: placements, full_tensor(), grads, losses match."""
-    check_case(_result(4, ("dp",)), "tp")
+    check_case(launch_cases(4, CASES[4]), "tp")
 
 
 @pytest.mark.parametrize("world_size", [8], ids=["2x2x2"])
-def test_hsdp_tp_3d(world_size):
+def test_hsdp_tp_3d(world_size, launch_cases):
     """HSDP+TP on a 2x2x2 (replicate, shard, tp) mesh: placements, full_tensor(), grads, losses."""
-    check_case(_result(world_size, ("replicate", "shard")), "tp")
+    check_case(launch_cases(world_size, CASES[world_size]), "tp")
 
 
-def test_full_state_dict_fsdp_tp_2d():
+def test_full_state_dict_fsdp_tp_2d(launch_cases):
     """FSDP+TP (strided shards) on 2x2: full model/optimizer dicts gather exactly, load from a plain model, round-trip."""
-    check_case(_result(4, ("dp",)), "full_state_dict")
+    check_case(launch_cases(4, CASES[4]), "full_state_dict")
 
 
 @pytest.mark.parametrize("world_size", [8], ids=["2x2x2"])
-def test_full_state_dict_hsdp_tp_3d(world_size):
+def test_full_state_dict_hsdp_tp_3d(world_size, launch_cases):
     """HSDP+TP on 2x2x2: full model/optimizer dicts gather exactly, load from a plain model, round-trip."""
-    check_case(_result(world_size, ("replicate", "shard")), "full_state_dict")
+    check_case(launch_cases(world_size, CASES[world_size]), "full_state_dict")

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from _impl import fsdp2_only, fully_shard
 from _multiproc import RankError, run_ranks
 from _threaded import run_threads
-from checks import assert_nested_close
-from models import MLP, cpu_mesh, full, global_mean, mlp_batch, mlp_loss, rank_slice
+from checks import assert_nested_close, full_params, train_alone
+from models import MLP, cpu_mesh, mlp_batch, mlp_loss, shard_mlp
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
 STEPS, BATCH = 3, 16  # 16: every rank of 8 gets a non-empty slice
@@ -46,34 +46,16 @@ def _mlp() -> MLP:
     return model
 
 
-def _shard(model: MLP, shard_fn, layout: str, reshard) -> MLP:
-    kwargs = {"mesh": cpu_mesh(), "reshard_after_forward": reshard}
-    if layout == "per":
-        shard_fn(model.in_proj, **kwargs)
-        shard_fn(model.mid_proj, **kwargs)
-    shard_fn(model, **kwargs)
-    return model
-
-
-def _train(model, rank: int | None, world_size: int) -> tuple[list[float], dict]:
+def _trained(model, rank: int | None, world_size: int) -> tuple[list[float], dict]:
     """Losses (mean over ranks) and final full parameters after ``STEPS`` AdamW steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        batch = mlp_batch(step, BATCH)
-        if rank is not None:
-            batch = rank_slice(batch, rank, world_size)
-        loss = mlp_loss(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append((global_mean(loss) if rank is not None else loss).item())
-    return losses, {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    batches = [mlp_batch(step, BATCH) for step in range(STEPS)]
+    return train_alone(model, batches, mlp_loss, rank, world_size), full_params(model)
 
 
 def _train_both(rank, world_size, layout, reshard):
-    ours = _train(_shard(_mlp(), fully_shard, layout, reshard), rank, world_size)
-    upstream = _train(_shard(_mlp(), upstream_fully_shard, layout, reshard), rank, world_size)
+    kwargs = {"per_layer": layout == "per", "mesh": cpu_mesh(), "reshard_after_forward": reshard}
+    ours = _trained(shard_mlp(_mlp(), fully_shard, **kwargs), rank, world_size)
+    upstream = _trained(shard_mlp(_mlp(), upstream_fully_shard, **kwargs), rank, world_size)
     return ours, upstream
 
 
@@ -82,7 +64,7 @@ def _train_both(rank, world_size, layout, reshard):
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_mlp_trains_on_threaded_group(world_size, layout, reshard):
     """Training on thread ranks matches upstream bitwise and the single-process reference."""
-    ref_losses, ref_params = _train(_mlp(), None, world_size)
+    ref_losses, ref_params = _trained(_mlp(), None, world_size)
     results = run_threads(_train_both, world_size, layout, reshard)
     for rank, (ours, upstream) in enumerate(results):
         assert_nested_close(ours, upstream, f"rank {rank} vs upstream", rtol=0, atol=0)
@@ -94,7 +76,8 @@ def test_mlp_trains_on_threaded_group(world_size, layout, reshard):
 
 def _diverged(rank, world_size):
     """Rank 1's hidden layer is narrower: the first forward raises; the group still works."""
-    model = _shard(MLP(hidden=12 if rank == 1 else 13), fully_shard, "per", True)
+    model = shard_mlp(MLP(hidden=12 if rank == 1 else 13), fully_shard, mesh=cpu_mesh(),
+                      reshard_after_forward=True)
     try:
         model(torch.zeros(2, 7))
         message = None
@@ -133,11 +116,15 @@ def test_run_threads_fails_on_hang_instead_of_stalling():
 
 def _reinit(rank, world_size, store_dir):
     """Train, destroy the default group, start a new one, train again (one process per rank)."""
-    first = _train(_shard(_mlp(), fully_shard, "per", 2), rank, world_size)
+    first = _trained(
+        shard_mlp(_mlp(), fully_shard, mesh=cpu_mesh(), reshard_after_forward=2), rank, world_size
+    )
     dist.destroy_process_group()
     store = dist.FileStore(os.path.join(store_dir, "second"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    second = _train(_shard(_mlp(), fully_shard, "per", 2), rank, world_size)
+    second = _trained(
+        shard_mlp(_mlp(), fully_shard, mesh=cpu_mesh(), reshard_after_forward=2), rank, world_size
+    )
     return first, second
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as upstream
 from _impl import fully_shard
-from checks import check_case, launch_cases
+from checks import check_case, train_alone
 from models import build_transformer, shard_transformer, transformer_batch, transformer_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -66,11 +66,9 @@ class _CountingReader(io.RawIOBase):
         return len(data)
 
 
-def _train(model, opt, steps: range) -> None:
-    for step in steps:
-        transformer_loss(model, transformer_batch(step, 4)).backward()
-        opt.step()
-        opt.zero_grad()
+def _train_whole_batches(model, opt, steps: range) -> None:
+    """Every rank of a replica group steps on the whole batch of each step."""
+    train_alone(model, [transformer_batch(step, 4) for step in steps], transformer_loss, opt=opt)
 
 
 def _replica(shard, mesh, seed: int):
@@ -91,7 +89,7 @@ def _heal(shard, transport: str) -> int:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
     replica = mesh.get_local_rank("replica")
     model, opt = _replica(shard, mesh, seed=0)
-    _train(model, opt, range(STEP))  # both groups train the same steps
+    _train_whole_batches(model, opt, range(STEP))  # both groups train the same steps
     if replica == 1:  # killed and restarted: other values, no optimizer state
         model, opt = _replica(shard, mesh, seed=1)
     carried = torch.zeros(1, dtype=torch.int64)
@@ -137,7 +135,7 @@ def _heal(shard, transport: str) -> int:
         dist.all_gather_object(gathered, _locals(model), group=mesh.get_group("replica"))
         for i, (live, healed_t) in enumerate(zip(*gathered)):
             assert torch.equal(live, healed_t), f"{transport}: parameter {i} after step {step}"
-        _train(model, opt, range(step, step + 1))
+        _train_whole_batches(model, opt, range(step, step + 1))
     dist.all_reduce(carried)
     return int(carried)
 
@@ -155,6 +153,6 @@ _CASES = {"pg": _heals("pg"), "http": _heals("http")}
 
 
 @pytest.mark.parametrize("transport", list(_CASES))
-def test_torchft_heals_replica_group(transport: str) -> None:
+def test_torchft_heals_replica_group(transport: str, launch_cases) -> None:
     """A killed replica group heals through torchft's transport, carrying upstream's bytes."""
-    check_case(launch_cases("torchft", 4, _CASES, timeout=180), transport)
+    check_case(launch_cases(4, _CASES, timeout=180), transport)

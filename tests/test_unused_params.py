@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import IMPL, CPUOffloadPolicy, MixedPrecisionPolicy, fsdp2_only, fully_shard
-from checks import check_case, launch_cases, on_collectives
-from models import assert_grads_match, full, global_mean
+from checks import check_case, on_collectives
+from models import assert_grads_match, full, global_mean, shard_groups
 from torch.distributed.device_mesh import init_device_mesh
 
 DIM, EXPERTS, STEPS = 6, 4, 3
@@ -78,13 +78,6 @@ def _loss(model, x, y, rank, step, world_size, micro=0):
     return nn.functional.mse_loss(model(xs, route), ys)
 
 
-def _shard(model, mesh, grouped=False, **kwargs):
-    """The block in a group of its own, or with the head (``fully_shard([block, head])``)."""
-    fully_shard([model.block, model.head] if grouped else model.block, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    return model
-
-
 def _train_case(hsdp=False, micro_batches=1, rtol=1e-5, atol=1e-6, grouped=False, **kwargs):
     """3 AdamW steps against the single-process reference of the per-rank losses.
 
@@ -101,7 +94,9 @@ def _train_case(hsdp=False, micro_batches=1, rtol=1e-5, atol=1e-6, grouped=False
             init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world_size,))
         )
-        _shard(model, mesh, grouped, **kwargs)
+        # the block in a group of its own, or with the head (fully_shard([block, head]))
+        group = [model.block, model.head] if grouped else model.block
+        shard_groups(model, fully_shard, [group], mesh=mesh, **kwargs)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(STEPS):
@@ -143,7 +138,7 @@ def _one_reduce_scatter_per_group(rank, world_size):
     torch.manual_seed(0)
     model = MoE()
     model.block.experts[1].bias.requires_grad_(False)  # frozen: neither reduced nor flagged
-    _shard(model, init_device_mesh("cpu", (world_size,)))
+    shard_groups(model, fully_shard, [model.block], mesh=init_device_mesh("cpu", (world_size,)))
     calls = []
 
     def record(kind, args, kwargs):
@@ -172,7 +167,8 @@ def _flag_on(rank, world_size):
     """set_reduce_scatter_unused_params(True): the reference's grads, zeros for expert 3."""
     torch.manual_seed(0)
     ref = MoE()
-    model = _shard(copy.deepcopy(ref), init_device_mesh("cpu", (world_size,)))
+    model = copy.deepcopy(ref)
+    shard_groups(model, fully_shard, [model.block], mesh=init_device_mesh("cpu", (world_size,)))
     model.set_reduce_scatter_unused_params(True)
     x, y = _batch(0, world_size)
     (sum(_loss(ref, x, y, r, 0, world_size) for r in range(world_size)) / world_size).backward()
@@ -212,45 +208,41 @@ def _cases(world_size: int) -> dict:
     return cases
 
 
-def _launch(world_size):
-    return launch_cases((__name__, world_size), world_size, _cases(world_size))
-
-
 @fsdp2_only  # upstream: gloo aborts (pytorch/pytorch#158719) unless the flag is on
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_moe_matches_reference(world_size):
+def test_moe_matches_reference(world_size, launch_cases):
     """MoE, experts used on some ranks and one on none: reference losses, grads, params (fp32)."""
-    check_case(_launch(world_size), "fp32")
+    check_case(launch_cases(world_size, _cases(world_size)), "fp32")
 
 
 @fsdp2_only
 @pytest.mark.parametrize("case", ["bf16_reduce", "no_sync", "offload"])
-def test_moe_variants(case):
+def test_moe_variants(case, launch_cases):
     """The MoE reference with a bf16 reduce, no-sync accumulation, CPU offload (W = 2)."""
-    check_case(_launch(2), case)
+    check_case(launch_cases(2, _cases(2)), case)
 
 
 @fsdp2_only
 @pytest.mark.parametrize("case", ["grouped", "grouped_no_sync"])
-def test_moe_in_group_of_several_modules(case):
+def test_moe_in_group_of_several_modules(case, launch_cases):
     """fully_shard([block, head]): the block's unused experts are still filled (W = 2)."""
-    check_case(_launch(2), case)
+    check_case(launch_cases(2, _cases(2)), case)
 
 
 @fsdp2_only
 @pytest.mark.parametrize("case", ["hsdp", "hsdp_no_sync", "hsdp_bf16_reduce"])
-def test_moe_hsdp(case):
+def test_moe_hsdp(case, launch_cases):
     """The MoE reference on an HSDP 2x2 mesh (also accumulating, also a bf16 reduce)."""
-    check_case(_launch(4), case)
+    check_case(launch_cases(4, _cases(4)), case)
 
 
 @fsdp2_only
-def test_one_reduce_scatter_per_group():
+def test_one_reduce_scatter_per_group(launch_cases):
     """No extra collective, no extra byte: the reduce-scatter input is the padded gradients."""
-    check_case(_launch(2), "one_reduce_scatter")
+    check_case(launch_cases(2, _cases(2)), "one_reduce_scatter")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_flag_on_gives_zeros(world_size):
+def test_flag_on_gives_zeros(world_size, launch_cases):
     """set_reduce_scatter_unused_params(True) (both implementations): zeros for expert 3."""
-    check_case(_launch(world_size), "flag_on")
+    check_case(launch_cases(world_size, _cases(world_size)), "flag_on")

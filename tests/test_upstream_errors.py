@@ -28,7 +28,7 @@ import torch
 import torch.distributed.fsdp
 import upstream_error_rows_213  # noqa: F401 - registers its rows
 from _impl import IMPL
-from checks import check_case, launch_cases
+from checks import check_case
 from upstream_error_rows import ROWS, Row, available
 from upstream_raises import EXTRA_ROWS, raises_for
 
@@ -67,14 +67,14 @@ def _cases(world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", sorted(ROWS))
-def test_upstream_error(name, world_size):
+def test_upstream_error(name, world_size, launch_cases):
     """Row ``name``: upstream's class and message, on every rank (one launch per world size)."""
     r = ROWS[name]
     if world_size < r.min_world:
         pytest.skip(f"needs a shard group of {r.min_world} ranks")
     if not available(r.needs):
         pytest.skip(f"{IMPL} has no {r.needs} yet (issue 14, point 8)")
-    check_case(launch_cases(("upstream_errors", world_size), world_size, _cases(world_size)), name)
+    check_case(launch_cases(world_size, _cases(world_size)), name)
 
 
 # ---- every upstream raise is accounted for ----------------------------------------------

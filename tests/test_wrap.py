@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _impl import MixedPrecisionPolicy, fsdp2_only
-from checks import check_case, launch_cases, train_steps
+from checks import check_case, train_steps
 from models import (
     Attention,
     Block,
@@ -150,6 +150,6 @@ CASES.update(
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_shard_model(case, world_size):
+def test_shard_model(case, world_size, launch_cases):
     """shard_model case ``case``: FSDP1's units, fully_shard groups, training parity."""
-    check_case(launch_cases(("shard_model", world_size), world_size, CASES), case)
+    check_case(launch_cases(world_size, CASES), case)

@@ -74,7 +74,8 @@ def available(needs: str | None) -> bool:
     return hasattr(API, needs) or hasattr(FSDPModule, needs)
 
 
-def _train(model: nn.Module) -> None:
+def _forward_backward(model: nn.Module) -> None:
+    """One forward and backward of an MLP batch, no optimizer step."""
     mlp_loss(model, mlp_batch(0, 4)).backward()
 
 
@@ -315,7 +316,7 @@ def _mixed_trainable_dtypes(rank, world_size):
     prefix = "FSDP expects uniform original parameter dtype but got "
     both = tuple(f"{prefix}{{{a}, {b}}}" for a, b in (("torch.float64", "torch.float32"),
                                                          ("torch.float32", "torch.float64")))
-    return Expect(AssertionError, lambda: _train(model), both)
+    return Expect(AssertionError, lambda: _forward_backward(model), both)
 
 
 @row()
@@ -326,7 +327,7 @@ def _forward_with_meta_parameters(rank, world_size):
     fully_shard(model, mesh=cpu_mesh())
     return Expect(
         RuntimeError,
-        lambda: _train(model),
+        lambda: _forward_backward(model),
         "FSDP parameters should be materialized from meta device before training, but the "
         "following were still on meta device: ['mid_proj.weight', 'mid_proj.bias', "
         "'out_proj.weight', 'out_proj.bias']\nFor example, call module.to_empty(device) to "
@@ -393,7 +394,7 @@ def _all_reduce_hook_stream_without_hook(rank, world_size):
     def thunk():
         model.set_all_reduce_hook(lambda t: None, stream=torch.Stream("cpu"))
         model.set_all_reduce_hook(None)  # keeps the stream, as upstream
-        _train(model)
+        _forward_backward(model)
 
     msg = "all reduce hook stream is specified but hook itself is missing."
     return Expect(AssertionError, thunk, msg)
@@ -422,7 +423,7 @@ def _reset_iter_state_on_non_root(rank, world_size):
     model = build_mlp()
     fully_shard(model.in_proj, mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
-    _train(model)
+    _forward_backward(model)
     msg = "reset_iter_state must be called on the root FSDP module"
     return Expect(RuntimeError, lambda: model.in_proj.reset_iter_state(), msg)
 
