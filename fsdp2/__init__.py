@@ -4,7 +4,13 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    OptimizerOffloadPolicy,
+)
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
 from .checkpoint.state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 from .errors import FSDPAssertionError, FSDPNotImplementedError
@@ -36,6 +42,7 @@ __all__ = [
     "IncompatibleKeys",
     "Muon",
     "MuonLoad",
+    "OptimizerOffloadPolicy",
     "TorchPatch",
     "clip_grad_norm_",
     "enable_local_shard_step",

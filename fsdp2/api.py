@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -81,6 +83,57 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadPolicy:
+    """Where an optimizer's state lives, for ``enable_local_shard_step(optim, offload=...)``.
+
+    Parameters and gradients stay where ``fully_shard`` put them; only the
+    optimizer's per-parameter state (Adam's moments, SGD's momentum, ...)
+    moves, in *units* of consecutive parameters of one parameter group (one
+    contiguous region each), and the step runs unit by unit on the host.
+    See ``docs/optimizers.md``.
+
+    Attributes:
+        tier: ``"host"``: each unit's state in one host buffer (pinned when a
+            GPU is present), the gradient shard copied down and the updated
+            parameter shard copied back up around its step. ``"nvme"``: each
+            unit's state in files under ``directory``, mapped in for its step
+            and written back behind it, so host memory holds a few units, not
+            the model's state.
+        directory: where the ``"nvme"`` tier keeps its files (one folder per
+            rank); required for it, unused by ``"host"``. It must be writable,
+            have room for the state (reserved when stepping is enabled) and
+            belong to one job at a time.
+        pin_memory: pin the host buffers of the ``"host"`` tier (only where a
+            GPU is present).
+        units_in_memory: ``"nvme"``: how many units may be read ahead of or
+            written back behind the one stepping (at least 1).
+        unit_bytes: about how many bytes of state one unit holds; a larger
+            parameter is a unit of its own.
+    """
+
+    tier: Literal["host", "nvme"] = "host"
+    directory: str | os.PathLike | None = None
+    pin_memory: bool = True
+    units_in_memory: int = 2
+    unit_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.tier not in ("host", "nvme"):
+            raise ValueError(f"OptimizerOffloadPolicy.tier must be 'host' or 'nvme', got {self.tier!r}")
+        if self.tier == "nvme" and self.directory is None:
+            raise ValueError(
+                "OptimizerOffloadPolicy(tier='nvme') needs a directory: pass "
+                "directory='/path/on/a/local/nvme/disk'"
+            )
+        if self.units_in_memory < 1:
+            raise ValueError(
+                f"OptimizerOffloadPolicy.units_in_memory must be at least 1, got {self.units_in_memory}"
+            )
+        if self.unit_bytes <= 0:
+            raise ValueError(f"OptimizerOffloadPolicy.unit_bytes must be positive, got {self.unit_bytes}")
 
 
 @dataclass

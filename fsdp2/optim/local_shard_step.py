@@ -22,6 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
+from ..api import OptimizerOffloadPolicy
+from .offloaded_step import OffloadedStep
 
 __all__ = ["enable_local_shard_step"]
 
@@ -34,11 +36,16 @@ class LocalShardStepHandle:
 
     def remove(self) -> None:
         for handle in self._handles:
-            handle.remove()
+            if hasattr(handle, "remove"):
+                handle.remove()
+            else:  # the offloaded step: its state comes back into memory
+                handle.close()
         self._handles = []
 
 
-def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepHandle:
+def enable_local_shard_step(
+    optimizer: torch.optim.Optimizer, *, offload: OptimizerOffloadPolicy | None = None
+) -> LocalShardStepHandle:
     """Make ``optimizer.step()`` run on the plain local shards of its DTensor parameters.
 
     The same updates, bit for bit, as stepping on the DTensors, with far less
@@ -47,6 +54,15 @@ def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepH
     parameter (e.g. one that takes a matrix norm of the whole parameter) must
     not use it. Parameter groups holding anything but DTensor parameters whose
     gradients share the parameter's placements are stepped as usual.
+
+    ``offload``: an :class:`~fsdp2.OptimizerOffloadPolicy` moves the
+    optimizer's state to host memory or to files on a local disk and steps
+    unit by unit there, with the same updates, bit for bit (see
+    [Note: Stepping in units] in ``offloaded_step.py``). Only for the
+    elementwise optimizers of ``torch.optim`` (``SGD``, ``Adam``, ``AdamW``,
+    ``Adagrad``, ``RMSprop``, ``Adamax``, ``NAdam``, ``RAdam``); the
+    parameters must not change after this call. ``remove()`` brings the state
+    back into ordinary memory.
 
     Example::
 
@@ -58,6 +74,16 @@ def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepH
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if offload is not None:
+        stepper = OffloadedStep(optimizer, offload)
+        return LocalShardStepHandle(
+            [
+                optimizer.register_step_pre_hook(stepper.before_step),
+                optimizer.register_step_post_hook(stepper.after_step),
+                optimizer.register_load_state_dict_post_hook(stepper.after_load),
+                stepper,
+            ]
         )
     swap = _LocalSwap(optimizer)
     return LocalShardStepHandle(

@@ -1,0 +1,278 @@
+"""The optimizer step unit by unit, with the state in a host or disk store.
+
+[Note: Stepping in units]
+``enable_local_shard_step(optim, offload=OptimizerOffloadPolicy(...))``
+replaces ``optim.step()``'s work by a loop over *units*: runs of
+consecutive parameters of one parameter group holding about
+``unit_bytes`` of state. Each unit is stepped by a private optimizer of the
+same class with the group's current hyperparameters, on the parameters'
+local shards, their gradients and the unit's state tensors, which are views
+of the unit's region in the store (``state_store.py``). The optimizers this
+accepts are elementwise, so each element's update is the same computation
+whichever tensors share a kernel call: the result is bit for bit the step
+the optimizer would take on its own. The optimizer's own ``step`` then runs
+on empty parameter lists (its hooks run once, as before) and the lists come
+back after it.
+
+A parameter's state is first created by the unit's step (so its values are
+the optimizer's own initial state), then copied into the store and replaced
+by views of it. ``optimizer.state`` keeps DTensor-wrapped views of the
+store, so ``state_dict()``, DCP and ``save_checkpoint`` read the state
+wherever it lives, and ``load_state_dict`` (DCP's load goes through it)
+copies the loaded values into the store. Scalar state (Adam's ``step``)
+stays in memory.
+
+With parameters on an accelerator the ``host`` tier keeps an fp32-exact
+host copy of each parameter shard in the unit's region too: the gradient
+shard is copied down, the unit steps on the host, and the parameter shard
+is copied back up. On CPU ranks nothing moves (tests force the copies with
+``_FORCE_COPIES``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._torch_compat import dtensor_like, local_tensor
+from ..api import OptimizerOffloadPolicy
+from .state_store import DiskStore, HostStore, StoreError, UnitLayout
+
+logger = logging.getLogger(__name__)
+
+#: Optimizers whose update of each element reads only that element's state.
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+)
+_PARAM = "__param__"  # the host copy of a device parameter (host tier)
+_FORCE_COPIES = False  # tests: take the accelerator path (host copies) on CPU ranks
+
+
+class _Unit:
+    def __init__(self, group: int, params: list[torch.Tensor], layout: UnitLayout) -> None:
+        self.group = group
+        self.params = params
+        self.layout = layout
+        # the parameter-shaped state keys of each parameter (not the host copy)
+        self.keys = [
+            sorted({s.key for s in layout.slots if s.param == i and s.key != _PARAM})
+            for i in range(len(params))
+        ]
+
+
+class OffloadedStep:
+    """Steps ``optimizer`` unit by unit on a store's state (see [Note: Stepping in units])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: OptimizerOffloadPolicy) -> None:
+        if not isinstance(optimizer, ELEMENTWISE):
+            names = ", ".join(c.__name__ for c in ELEMENTWISE)
+            raise ValueError(
+                f"OptimizerOffloadPolicy needs an elementwise optimizer ({names}); "
+                f"{type(optimizer).__name__} may mix elements across a parameter: step it "
+                "without offload=..."
+            )
+        self.optimizer = optimizer
+        self.policy = policy
+        copies = _FORCE_COPIES or any(
+            local_tensor(p).device.type != "cpu" if isinstance(p, DTensor) else p.device.type != "cpu"
+            for g in optimizer.param_groups for p in g["params"]
+        )
+        self.copies = copies and policy.tier == "host"
+        self.units = self._partition()
+        layouts = [u.layout for u in self.units]
+        self.store = _agree_on_store(lambda: _make_store(policy, layouts))
+        self._held: list[list[Any]] = []
+        self._load_into_store()
+
+    # ---- layout -----------------------------------------------------------------
+
+    def _partition(self) -> list[_Unit]:
+        units = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            keys = _state_keys(self.optimizer, group)
+            run: list[torch.Tensor] = []
+            entries: list = []
+            nbytes = 0
+            for p in group["params"]:
+                local = _local(p)
+                shape, dtype = tuple(local.shape), local.dtype
+                mine = [(len(run), k, dtype, shape) for k in keys]
+                if self.copies:
+                    mine.append((len(run), _PARAM, dtype, shape))
+                size = local.numel() * dtype.itemsize * len(mine)
+                if run and nbytes + size > self.policy.unit_bytes:
+                    units.append(_Unit(gi, run, UnitLayout.of(entries)))
+                    run, entries, nbytes = [], [], 0
+                    mine = [(0, k, d, s) for _, k, d, s in mine]
+                run.append(p)
+                entries += mine
+                nbytes += size
+            if run:
+                units.append(_Unit(gi, run, UnitLayout.of(entries)))
+        return units
+
+    # ---- the step ---------------------------------------------------------------
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Step every unit, then leave the optimizer's own step nothing to do."""
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
+            raise ValueError(
+                "optimizer.step(closure) is not supported with OptimizerOffloadPolicy: the "
+                "units step before the closure could run; call the closure, then step()"
+            )
+        state = optimizer.state
+        self.store.prefetch(0)
+        for i, unit in enumerate(self.units):
+            self.store.prefetch(i + 1)
+            self._step_unit(unit, self.store.views(i), state)
+            self._keep(unit, self.store.release(i), state)
+        self._held = [g["params"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["params"] = []
+
+    def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        for g, params in zip(optimizer.param_groups, self._held):
+            g["params"] = params
+        self._held = []
+
+    @torch.no_grad()
+    def _step_unit(self, unit: _Unit, views: dict, state: Any) -> None:
+        group = self.optimizer.param_groups[unit.group]
+        params, sub_state = [], {}
+        for i, p in enumerate(unit.params):
+            if p.grad is None:
+                continue
+            local = _local(p).detach()
+            work = views[(i, _PARAM)] if self.copies else local
+            if self.copies:
+                work.grad = _local(p.grad).to("cpu")
+            else:
+                work.grad = _local(p.grad)
+            if p in state:
+                sub_state[work] = {
+                    k: views[(i, k)] if k in unit.keys[i] else v for k, v in state[p].items()
+                }
+            params.append((i, p, local, work))
+        if not params:
+            return
+        hparams = {k: v for k, v in group.items() if k != "params"}
+        cls = type(self.optimizer)
+        step = cls([torch.zeros(1, requires_grad=True)], **_ctor_args(cls, hparams))
+        step.param_groups[0].update(hparams)
+        step.param_groups[0]["params"] = [w for *_, w in params]
+        step.state.update(sub_state)
+        step.step()
+        for i, p, local, work in params:
+            new = step.state[work]
+            for k in unit.keys[i]:
+                if new[k] is not views[(i, k)]:  # created by this step: move it into the store
+                    views[(i, k)].copy_(new[k])
+            state[p] = {k: (views[(i, k)] if k in unit.keys[i] else v) for k, v in new.items()}
+            work.grad = None
+            if self.copies:
+                local.copy_(work, non_blocking=True)
+
+    def _keep(self, unit: _Unit, views: dict, state: Any) -> None:
+        """``optimizer.state`` of the unit's parameters: DTensor views of the store."""
+        for i, p in enumerate(unit.params):
+            if p in state:
+                state[p] = {
+                    k: _wrap(p, views[(i, k)]) if k in unit.keys[i] else v for k, v in state[p].items()
+                }
+
+    @torch.no_grad()
+    def _load_into_store(self) -> None:
+        """Move whatever ``optimizer.state`` holds (a load, an earlier step) into the store."""
+        state = self.optimizer.state
+        for i, unit in enumerate(self.units):
+            views = self.store.views(i)
+            for j, p in enumerate(unit.params):
+                if p not in state:
+                    continue
+                for k in unit.keys[j]:
+                    if k in state[p]:
+                        views[(j, k)].copy_(_local(state[p][k]))
+            for j, p in enumerate(unit.params):
+                if self.copies:  # the host copy the unit steps on
+                    views[(j, _PARAM)].copy_(_local(p))
+            self._keep(unit, self.store.release(i), state)
+        self.store.wait()
+
+    def after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        self._load_into_store()
+
+    def close(self) -> None:
+        """Stop offloading: the state comes back into ordinary memory, the store is released."""
+        if isinstance(self.store, DiskStore):
+            state = self.optimizer.state
+            for unit in self.units:
+                for i, p in enumerate(unit.params):
+                    if p in state:
+                        state[p] = {
+                            k: _wrap(p, _local(v).clone()) if k in unit.keys[i] else v
+                            for k, v in state[p].items()
+                        }
+        self.store.close()
+
+
+def _make_store(policy: OptimizerOffloadPolicy, layouts: list[UnitLayout]) -> HostStore | DiskStore:
+    if policy.tier == "host":
+        return HostStore(layouts, policy.pin_memory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DiskStore(policy.directory, rank, layouts, policy.units_in_memory)
+
+
+def _agree_on_store(make: Any) -> HostStore | DiskStore:
+    """Make the store on every rank, or raise the same ``StoreError`` on every rank."""
+    store, error = None, None
+    try:
+        store = make()
+    except StoreError as e:
+        error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad and error is None:
+            store.close()
+            rank, first = bad[0]
+            raise StoreError(f"rank {rank}: {first}")
+        if bad:
+            raise StoreError(error)
+    elif error is not None:
+        raise StoreError(error)
+    return store
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
+    """The parameter-shaped state keys ``group``'s settings create, found by a step on ``meta``."""
+    hparams = {k: v for k, v in group.items() if k != "params"}
+    probe = torch.empty(2, device="meta", requires_grad=True)
+    probe.grad = torch.empty(2, device="meta")
+    args = _ctor_args(type(optimizer), hparams)
+    args["foreach"] = False  # the meta probe needs the plain loop
+    if "fused" in args:
+        args["fused"] = None
+    dry = type(optimizer)([probe], **args)
+    dry.step()
+    return sorted(k for k, v in dry.state[probe].items() if torch.is_tensor(v) and v.shape == (2,))
+
+
+def _ctor_args(cls: type, hparams: dict) -> dict:
+    # Hyperparameters the constructor does not take (added by schedulers or users) are set after.
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in hparams.items() if k in accepted and k != "params"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def _wrap(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    return dtensor_like(p, view) if isinstance(p, DTensor) else view

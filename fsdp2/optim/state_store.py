@@ -1,0 +1,304 @@
+"""Where an offloaded optimizer's state lives: one host buffer, or files on a local disk, per unit.
+
+[Note: Optimizer state tiers]
+An optimizer's per-parameter state (Adam's two moments, SGD's momentum, ...)
+is two or three times the parameters, and it is touched once per step, by an
+elementwise kernel. So it need not stay in device memory, nor even in host
+memory: ``offloaded_step.py`` steps the parameters in *units* (consecutive
+parameters of one parameter group) and this module keeps each unit's
+parameter-shaped state tensors in one contiguous region per dtype:
+
+- ``HostStore``: a host buffer per unit and dtype (pinned where a GPU is
+  present), the state tensors views of it, resident all the time.
+- ``DiskStore``: a file per unit and dtype under the policy's directory (a
+  folder per rank). A unit's state tensors are views of a fresh *mapping* of
+  its files (``torch.from_file(shared=True)``), which holds no memory until it
+  is touched. Before a unit steps, the kernel is asked to read its files
+  ahead (``posix_fadvise(WILLNEED)``); after it steps, its mapping is
+  replaced by a fresh one and a background thread writes the dirty pages
+  back and drops them from the page cache (``fsync``, ``DONTNEED``), at most
+  ``units_in_memory`` units at a time. Host memory then holds a few units,
+  not the model's state. The space is reserved up front
+  (``posix_fallocate``), so a full disk fails before the first step, not in
+  the middle of one.
+
+The files are working storage, never a checkpoint: ``save_checkpoint`` / DCP
+read the state through the mapped tensors like any other, and a new run
+rewrites the files before using them, so nothing a killed run left behind is
+ever read as state. Each rank's folder holds an ``OWNER`` claim (host, pid,
+the model's layout fingerprint): a second live job (or optimizer) on the same
+folder, or files of another model, is refused with the path to clean up; a
+claim whose process is gone is taken over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["DiskStore", "HostStore", "Slot", "StoreError", "UnitLayout"]
+
+
+class StoreError(RuntimeError):
+    """The optimizer-state directory cannot be used (unwritable, full, claimed, foreign)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter-shaped state tensor inside its unit's region of ``dtype``."""
+
+    param: int  # index of the parameter within its unit
+    key: str
+    dtype: torch.dtype
+    offset: int  # in elements, into the unit's region of ``dtype``
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The state tensors of one unit and how many elements each dtype's region holds."""
+
+    slots: tuple[Slot, ...]
+    numel: dict[torch.dtype, int]
+
+    @staticmethod
+    def of(entries: list[tuple[int, str, torch.dtype, tuple[int, ...]]]) -> UnitLayout:
+        """Pack ``(param, key, dtype, shape)`` entries back to back, per dtype, in order."""
+        numel: dict[torch.dtype, int] = {}
+        slots = []
+        for param, key, dtype, shape in entries:
+            offset = numel.get(dtype, 0)
+            slot = Slot(param, key, dtype, offset, shape)
+            numel[dtype] = offset + slot.numel
+            slots.append(slot)
+        return UnitLayout(tuple(slots), numel)
+
+    def nbytes(self) -> int:
+        return sum(n * dtype.itemsize for dtype, n in self.numel.items())
+
+
+def fingerprint(layouts: list[UnitLayout]) -> str:
+    """A digest of every unit's slots: the same model and optimizer give the same one."""
+    text = repr([[(s.param, s.key, str(s.dtype), s.shape) for s in u.slots] for u in layouts])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _views(regions: dict[torch.dtype, torch.Tensor], layout: UnitLayout) -> dict[tuple[int, str], torch.Tensor]:
+    return {
+        (s.param, s.key): regions[s.dtype].narrow(0, s.offset, s.numel).view(s.shape)
+        for s in layout.slots
+    }
+
+
+class HostStore:
+    """Each unit's state in one host buffer per dtype, resident (see [Note: Optimizer state tiers])."""
+
+    def __init__(self, layouts: list[UnitLayout], pin_memory: bool) -> None:
+        pin = pin_memory and torch.cuda.is_available()
+        self._regions = [
+            {dt: torch.empty(n, dtype=dt, pin_memory=pin) for dt, n in layout.numel.items()}
+            for layout in layouts
+        ]
+        self._layouts = layouts
+
+    def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        return _views(self._regions[unit], self._layouts[unit])
+
+    def prefetch(self, unit: int) -> None:
+        """Nothing to read: host state is always resident."""
+
+    def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        return self.views(unit)
+
+    def wait(self) -> None:
+        """Nothing is written behind."""
+
+    def close(self) -> None:
+        self._regions = []
+
+
+class DiskStore:
+    """Each unit's state in files under one folder per rank (see [Note: Optimizer state tiers])."""
+
+    def __init__(
+        self, directory: str | os.PathLike, rank: int, layouts: list[UnitLayout], in_flight: int
+    ) -> None:
+        self._layouts = layouts
+        self.folder = Path(directory) / f"rank{rank:05d}"
+        self._token = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
+        self._fingerprint = fingerprint(layouts)
+        self._claimed = False
+        self._claim()
+        self._paths = [
+            {dt: self.folder / f"unit{i:05d}-{str(dt).removeprefix('torch.')}.bin" for dt in layout.numel}
+            for i, layout in enumerate(layouts)
+        ]
+        self._reserve()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fsdp2-state-writeback")
+        self._in_flight = in_flight
+        self._pending: deque[Future] = deque()
+        self._lock = threading.Lock()
+
+    # ---- the claim: one job per folder ------------------------------------------
+
+    @property
+    def owner_file(self) -> Path:
+        return self.folder / "OWNER"
+
+    def _claim(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(
+                f"Optimizer state directory {self.folder} is not writable ({e}); pass a "
+                "directory this job can create files in"
+            ) from e
+        record = {
+            "host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
+            "fingerprint": self._fingerprint,
+        }
+        for _ in range(2):
+            try:
+                fd = os.open(self.owner_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._check_stale_claim()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            self._claimed = True
+            return
+        raise StoreError(f"Could not claim {self.owner_file}: another job keeps claiming it")
+
+    def _check_stale_claim(self) -> None:
+        """Remove a claim whose process is gone; raise for a live one or another model's files."""
+        try:
+            owner = json.loads(self.owner_file.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            owner = {}
+        host, pid = owner.get("host"), owner.get("pid")
+        if host == socket.gethostname() and isinstance(pid, int) and _alive(pid):
+            raise StoreError(
+                f"Optimizer state directory {self.folder} is in use by a live process (pid {pid} "
+                f"on {host}, {self.owner_file}); give each job (and each optimizer) a directory "
+                "of its own"
+            )
+        if host not in (None, socket.gethostname()):
+            raise StoreError(
+                f"Optimizer state directory {self.folder} is claimed by host {host} (pid {pid}); "
+                f"if that job is gone, delete {self.owner_file}, else use another directory"
+            )
+        if owner.get("fingerprint") not in (None, self._fingerprint):
+            raise StoreError(
+                f"Optimizer state directory {self.folder} holds the state files of another model "
+                f"or optimizer ({self.owner_file} records a different layout); pass an empty "
+                "directory, or delete that folder if its state is no longer needed"
+            )
+        self.owner_file.unlink(missing_ok=True)
+
+    # ---- space ------------------------------------------------------------------
+
+    def _reserve(self) -> None:
+        for paths, layout in zip(self._paths, self._layouts):
+            for dt, path in paths.items():
+                nbytes = layout.numel[dt] * dt.itemsize
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                    try:
+                        os.ftruncate(fd, nbytes)
+                        if nbytes and hasattr(os, "posix_fallocate"):
+                            os.posix_fallocate(fd, 0, nbytes)
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    raise StoreError(
+                        f"Cannot reserve {nbytes} bytes of optimizer state in {path} ({e}); "
+                        f"the state needs {sum(u.nbytes() for u in self._layouts)} bytes per "
+                        "rank: free space or point OptimizerOffloadPolicy.directory elsewhere"
+                    ) from e
+
+    # ---- stepping ---------------------------------------------------------------
+
+    def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """Fresh mappings of ``unit``'s files: no memory until touched."""
+        regions = {
+            dt: torch.from_file(str(path), shared=True, size=self._layouts[unit].numel[dt], dtype=dt)
+            for dt, path in self._paths[unit].items()
+        }
+        return _views(regions, self._layouts[unit])
+
+    def prefetch(self, unit: int) -> None:
+        """Ask the kernel to start reading ``unit``'s files."""
+        if unit < len(self._paths) and hasattr(os, "posix_fadvise"):
+            for path in self._paths[unit].values():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """``unit`` stepped: write its pages back behind us; returns fresh mappings to keep."""
+        fresh = self.views(unit)
+        with self._lock:
+            while len(self._pending) >= self._in_flight:
+                self._pending.popleft().result()
+            self._pending.append(self._writer.submit(self._write_back, unit))
+        return fresh
+
+    def _write_back(self, unit: int) -> None:
+        for path in self._paths[unit].values():
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.fsync(fd)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def wait(self) -> None:
+        with self._lock:
+            while self._pending:
+                self._pending.popleft().result()
+
+    def close(self) -> None:
+        self.wait()
+        self._writer.shutdown(wait=True)
+        if self._claimed:
+            try:
+                owner = json.loads(self.owner_file.read_text())
+                if owner.get("token") == self._token:
+                    self.owner_file.unlink()
+            except (OSError, ValueError):
+                pass
+            self._claimed = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
