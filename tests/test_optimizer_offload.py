@@ -1,0 +1,305 @@
+"""OptimizerOffloadPolicy: optimizer state in host buffers or NVMe files, the same bits.
+
+Every tier (``host``, ``nvme``, and ``host`` with the accelerator path's host
+copies forced on CPU) must step exactly like the in-memory local-shard step
+(bit for bit, parameters and ``optimizer.state_dict()``) at W = 1, 2, 4, with
+two parameter groups, gradient accumulation, ``clip_grad_norm_``,
+``zero_grad`` both ways and an LR scheduler; a DCP checkpoint saved at W=4
+loads at W=2 into an NVMe-tier optimizer and continues bit-identically; and
+every bad directory (unwritable, full, claimed by a live job, holding another
+model's files) raises the same ``StoreError`` on every rank, before any step.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from _impl import fully_shard
+from _multiproc import run_ranks
+from models import (
+    build_transformer,
+    cpu_mesh,
+    rank_slice,
+    shard_transformer,
+    transformer_batch,
+    transformer_loss,
+)
+from torch.distributed.tensor import DTensor
+
+import fsdp2
+from fsdp2 import OptimizerOffloadPolicy
+from fsdp2.optim import offloaded_step
+from fsdp2.optim.state_store import StoreError
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("FSDP2_TEST_IMPL") == "torch", reason="fsdp2's own feature"
+)
+
+
+def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, foreach=True)
+    if kind == "adam-fused":
+        return torch.optim.Adam(groups, lr=1e-2, fused=True, amsgrad=True)
+    return torch.optim.SGD(groups, lr=1e-1, momentum=0.9)
+
+
+def _train(model, opt, rank, world_size, steps, first=0):
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for step in range(first, first + steps):
+        for micro in range(2):  # gradient accumulation without sync
+            model.set_requires_gradient_sync(micro == 1)
+            batch = transformer_batch(10 * step + micro, 2 * world_size)
+            transformer_loss(model, rank_slice(batch, rank, world_size)).backward()
+        fsdp2.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        sched.step()
+
+
+def _assert_same(model, opt, ref_model, ref_opt, where):
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), f"{where}: parameter {n} differs"
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"], where
+    assert got["state"].keys() == want["state"].keys(), where
+    for idx, state in want["state"].items():
+        assert got["state"][idx].keys() == state.keys(), (where, idx)
+        for key, value in state.items():
+            mine = got["state"][idx][key]
+            assert type(mine) is type(value), (where, idx, key)
+            if isinstance(value, DTensor):
+                assert mine.placements == value.placements, (where, idx, key)
+                mine, value = mine.to_local(), value.to_local()
+            assert torch.equal(mine, value), f"{where}: state {idx}/{key} differs"
+
+
+def _tiers_body(rank, world_size, tmp):
+    tiers = [("host", False), ("nvme", False), ("host", True)]
+    for kind in ("adamw", "adam-fused", "sgd"):
+        ref = build_transformer(seed=5)
+        shard_transformer(ref, fully_shard, mesh=cpu_mesh())
+        ref_opt = _optimizer(ref, kind)
+        fsdp2.enable_local_shard_step(ref_opt)
+        _train(ref, ref_opt, rank, world_size, 4)
+        for tier, copies in tiers:
+            model = build_transformer(seed=5)
+            shard_transformer(model, fully_shard, mesh=cpu_mesh())
+            opt = _optimizer(model, kind)
+            offloaded_step._FORCE_COPIES = copies
+            try:
+                policy = OptimizerOffloadPolicy(
+                    tier=tier, directory=os.path.join(tmp, f"{kind}-{tier}"), unit_bytes=512
+                )
+                handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+            finally:
+                offloaded_step._FORCE_COPIES = False
+            stepper = next(h for h in handle._handles if hasattr(h, "units"))
+            assert len(stepper.units) > 2, "the model must span several units"
+            _train(model, opt, rank, world_size, 4)
+            _assert_same(model, opt, ref, ref_opt, f"{kind}/{tier}/copies={copies}")
+            if tier == "nvme":
+                _assert_files_hold_state(stepper, opt)
+            handle.remove()
+            # after remove(): ordinary memory, still the same values, steps as before
+            _assert_same(model, opt, ref, ref_opt, f"{kind}/{tier} after remove")
+
+
+def _assert_files_hold_state(stepper, opt):
+    """The state the optimizer reports is what the unit files hold (the disk is the state)."""
+    store = stepper.store
+    for i, unit in enumerate(stepper.units):
+        on_disk = {
+            dt: torch.from_file(str(path), shared=False, size=unit.layout.numel[dt], dtype=dt)
+            for dt, path in store._paths[i].items()
+        }
+        for slot in unit.layout.slots:
+            p = unit.params[slot.param]
+            value = opt.state[p][slot.key].to_local()
+            stored = on_disk[slot.dtype].narrow(0, slot.offset, slot.numel).view(slot.shape)
+            assert torch.equal(value, stored), (i, slot)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tiers_step_like_memory(world_size, tmp_path):
+    run_ranks(_tiers_body, world_size, str(tmp_path))
+
+
+def _save_body(rank, world_size, tmp):
+    model = build_transformer(seed=7)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh())
+    opt = _optimizer(model, "adamw")
+    policy = OptimizerOffloadPolicy(tier="nvme", directory=os.path.join(tmp, "w4"), unit_bytes=512)
+    handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+    _train(model, opt, rank, world_size, 2)
+    fsdp2.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+    handle.remove()
+
+
+def _resume_body(rank, world_size, tmp):
+    runs = []
+    for tier in (None, "nvme"):
+        model = build_transformer(seed=99)  # different init: everything comes from the checkpoint
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        if tier is None:
+            fsdp2.enable_local_shard_step(opt)
+        else:
+            directory = os.path.join(tmp, "w2")
+            policy = OptimizerOffloadPolicy(tier="nvme", directory=directory, unit_bytes=512)
+            handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+        torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)  # the saved groups carry initial_lr
+        fsdp2.load_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
+        if tier is not None:  # the loaded state went to the disk, not to memory
+            _assert_files_hold_state(next(h for h in handle._handles if hasattr(h, "units")), opt)
+        _train(model, opt, rank, world_size, 2, first=2)
+        runs.append((model, opt))
+    (ref, ref_opt), (model, opt) = runs
+    _assert_same(model, opt, ref, ref_opt, "resumed at W=2")
+    handle.remove()
+
+
+def test_checkpoint_saved_at_4_resumes_at_2(tmp_path):
+    run_ranks(_save_body, 4, str(tmp_path))
+    run_ranks(_resume_body, 2, str(tmp_path))
+
+
+# ---- bad input: the same StoreError on every rank, before any step ----------------
+
+
+def _bad_directory_body(rank, world_size, tmp, case):
+    model = build_transformer(seed=1)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh())
+    opt = _optimizer(model, "adamw")
+    directory = os.path.join(tmp, "state")
+    if case == "unwritable" and rank == 1:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "rank00001"), "w") as f:
+            f.write("a file where the rank's folder should be")
+    dist.barrier()
+    if case == "full" and rank == 1:
+        def no_space(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = no_space
+    before = [p.to_local().clone() for p in model.parameters()]
+    with pytest.raises(StoreError) as info:
+        fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy("nvme", directory))
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.to_local(), q)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["unwritable", "full"])
+def test_bad_directory_raises_on_every_rank(case, tmp_path):
+    messages = run_ranks(_bad_directory_body, 2, str(tmp_path), case)
+    assert messages[0].startswith("rank 1: ") and messages[0][len("rank 1: "):] == messages[1]
+    expect = "not writable" if case == "unwritable" else "Cannot reserve"
+    assert expect in messages[1] and "rank00001" in messages[1], messages[1]
+
+
+def _params():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4)
+
+
+def test_one_job_per_directory(tmp_path):
+    model = _params()
+    opt = torch.optim.AdamW(model.parameters())
+    policy = OptimizerOffloadPolicy("nvme", tmp_path)
+    handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+    other = torch.optim.AdamW(model.parameters())
+    with pytest.raises(StoreError, match="in use by a live process"):
+        fsdp2.enable_local_shard_step(other, offload=policy)
+    handle.remove()  # releases the claim
+    fsdp2.enable_local_shard_step(other, offload=policy).remove()
+
+
+def test_claim_of_a_live_other_process(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder = tmp_path / "rank00000"
+        folder.mkdir()
+        record = {"host": os.uname().nodename, "pid": sleeper.pid, "fingerprint": None}
+        (folder / "OWNER").write_text(json.dumps(record))
+        opt = torch.optim.AdamW(_params().parameters())
+        with pytest.raises(StoreError, match=f"pid {sleeper.pid}"):
+            fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy("nvme", tmp_path))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the owner is gone (as after a SIGKILL): its claim is stale and taken over
+    fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy("nvme", tmp_path)).remove()
+
+
+def test_state_files_of_another_model(tmp_path):
+    policy = OptimizerOffloadPolicy("nvme", tmp_path)
+    first = torch.optim.AdamW(_params().parameters())
+    handle = fsdp2.enable_local_shard_step(first, offload=policy)
+    stepper = next(h for h in handle._handles if hasattr(h, "units"))
+    stepper.store._claimed = False  # leave the claim behind, as a killed job would
+    handle.remove()
+    owner = tmp_path / "rank00000" / "OWNER"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    owner.write_text(json.dumps({**json.loads(owner.read_text()), "pid": dead.pid}))
+    other = torch.optim.AdamW(torch.nn.Linear(5, 3).parameters())
+    with pytest.raises(StoreError, match="another model"):
+        fsdp2.enable_local_shard_step(other, offload=policy)
+    # the same model again (a restarted job): the stale claim is taken over
+    same = torch.optim.AdamW(_params().parameters())
+    fsdp2.enable_local_shard_step(same, offload=policy).remove()
+
+
+def test_bad_policies_and_optimizers(tmp_path):
+    with pytest.raises(ValueError, match="needs a directory"):
+        OptimizerOffloadPolicy("nvme")
+    with pytest.raises(ValueError, match="'host' or 'nvme'"):
+        OptimizerOffloadPolicy("disk", tmp_path)
+    with pytest.raises(ValueError, match="at least 1"):
+        OptimizerOffloadPolicy("nvme", tmp_path, units_in_memory=0)
+    lbfgs = torch.optim.LBFGS(_params().parameters())
+    with pytest.raises(ValueError, match="elementwise optimizer"):
+        fsdp2.enable_local_shard_step(lbfgs, offload=OptimizerOffloadPolicy())
+    opt = torch.optim.AdamW(_params().parameters())
+    fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy())
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: torch.tensor(0.0))
+
+
+def test_plain_tensors_every_elementwise_optimizer(tmp_path):
+    """Without fully_shard too: every accepted optimizer, both tiers, several units."""
+    cases = [
+        (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}), (torch.optim.Adagrad, {}),
+        (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}), (torch.optim.Adamax, {}),
+        (torch.optim.NAdam, {}), (torch.optim.RAdam, {}), (torch.optim.Adam, {"foreach": True}),
+    ]
+    for cls, kwargs in cases:
+        results = []
+        for tier in (None, "host", "nvme"):
+            model = copy.deepcopy(_params())
+            opt = cls(model.parameters(), lr=1e-2, **kwargs)
+            if tier:
+                directory = tmp_path / f"{cls.__name__}-{tier}"
+                policy = OptimizerOffloadPolicy(tier, directory, unit_bytes=64)
+                handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+            for step in range(3):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+            results.append([p.detach().clone() for p in model.parameters()])
+            if tier:
+                handle.remove()
+        for got in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], got)), cls.__name__
