@@ -31,6 +31,7 @@ from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
+from bench_offload import offload_body_all  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, MODEL_SOURCE  # noqa: E402
@@ -54,6 +55,10 @@ FULL = {
     },
     "muon_reps": 5,
     "divergence_world_size": 16384,
+    "offload": {
+        "shape": BENCH_SHAPE, "batch": 2, "seq": 64, "warmup": 1, "steps": 6,
+        "unit_bytes": 8 << 20, "timeout": 420,
+    },
     "timeout": 420,
 }
 QUICK = {
@@ -73,6 +78,10 @@ QUICK = {
     },
     "muon_reps": 2,
     "divergence_world_size": 1024,
+    "offload": {
+        "shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
+        "batch": 2, "seq": 64, "warmup": 1, "steps": 3, "unit_bytes": 8 << 20, "timeout": 120,
+    },
     "timeout": 120,
 }
 WORLD_SIZE = 2
@@ -149,6 +158,7 @@ def main() -> None:
                 muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
             )[0],
         ),
+        ("offload", lambda: offload_body_all(cfg["offload"], WORLD_SIZE)),
         (
             "divergence",
             lambda: launch(store_body, 1, cfg["divergence_world_size"],

@@ -152,6 +152,12 @@ def _materialize_rows(raw: dict) -> list[dict]:
     return rows
 
 
+def _offload_rows(raw: dict) -> list[dict]:
+    from bench_offload import rows
+
+    return rows(raw["offload"])
+
+
 def _divergence_rows(raw: dict) -> list[dict]:
     from bench_divergence import rows
 
@@ -277,7 +283,7 @@ def build_rows(raw: dict) -> list[dict]:
     rows = []
     for make in (
         _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows,
-        _checkpoint_rows, _muon_rows, _divergence_rows,
+        _checkpoint_rows, _muon_rows, _offload_rows, _divergence_rows,
     ):
         try:
             rows += make(raw)

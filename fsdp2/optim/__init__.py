@@ -3,5 +3,6 @@
 from .clip_grad import clip_grad_norm_
 from .local_shard_step import enable_local_shard_step
 from .muon import Muon, MuonLoad
+from .state_store import StoreError
 
-__all__ = ["Muon", "MuonLoad", "clip_grad_norm_", "enable_local_shard_step"]
+__all__ = ["Muon", "MuonLoad", "StoreError", "clip_grad_norm_", "enable_local_shard_step"]
