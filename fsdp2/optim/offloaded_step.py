@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
 from ..api import OptimizerOffloadPolicy
-from .state_store import DiskStore, HostStore, StoreError, UnitLayout
+from .state_store import DiskStore, HostStore, StoreError, UnitLayout, release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,11 @@ class OffloadedStep:
             self.store.prefetch(i + 1)
             self._step_unit(unit, self.store.views(i), state)
             self._keep(unit, self.store.release(i), state)
+        if isinstance(self.store, DiskStore):
+            # What the units' kernels allocated (and the state a first step created in
+            # memory before it moved to disk) is freed; hand the heap the C allocator
+            # keeps for it back to the system, so host memory holds a few units only.
+            release_free_heap()
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
@@ -160,7 +165,7 @@ class OffloadedStep:
                 }
             params.append((i, p, local, work))
         if not params:
-            return
+            return False
         hparams = {k: v for k, v in group.items() if k != "params"}
         cls = type(self.optimizer)
         step = cls([torch.zeros(1, requires_grad=True)], **_ctor_args(cls, hparams))
@@ -168,8 +173,10 @@ class OffloadedStep:
         step.param_groups[0]["params"] = [w for *_, w in params]
         step.state.update(sub_state)
         step.step()
+        created = False
         for i, p, local, work in params:
             new = step.state[work]
+            created |= any(new[k] is not views[(i, k)] for k in unit.keys[i])
             for k in unit.keys[i]:
                 if new[k] is not views[(i, k)]:  # created by this step: move it into the store
                     views[(i, k)].copy_(new[k])
@@ -177,6 +184,7 @@ class OffloadedStep:
             work.grad = None
             if self.copies:
                 local.copy_(work, non_blocking=True)
+        return created
 
     def _keep(self, unit: _Unit, views: dict, state: Any) -> None:
         """``optimizer.state`` of the unit's parameters: DTensor views of the store."""

@@ -18,7 +18,10 @@ parameter-shaped state tensors in one contiguous region per dtype:
   replaced by a fresh one and a background thread writes the dirty pages
   back and drops them from the page cache (``fsync``, ``DONTNEED``), at most
   ``units_in_memory`` units at a time. Host memory then holds a few units,
-  not the model's state. The space is reserved up front
+  not the model's state. What the units' kernels allocated is freed as each
+  unit ends; after the step ``release_free_heap`` hands the heap the C
+  allocator kept for it back to the system (glibc keeps freed blocks below
+  its adaptive mmap threshold resident). The space is reserved up front
   (``posix_fallocate``), so a full disk fails before the first step, not in
   the middle of one.
 
@@ -33,6 +36,8 @@ claim whose process is gone is taken over.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -45,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DiskStore", "HostStore", "Slot", "StoreError", "UnitLayout"]
+__all__ = ["DiskStore", "HostStore", "Slot", "StoreError", "UnitLayout", "release_free_heap"]
 
 
 class StoreError(RuntimeError):
@@ -302,3 +307,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def release_free_heap() -> None:
+    """Give memory the C allocator keeps after ``free`` back to the system (glibc only).
+
+    torch's CPU tensors come from ``malloc``; glibc keeps freed blocks of up to
+    its (adaptive) mmap threshold in the heap, resident. Not a torch API:
+    ``malloc_trim(0)`` from the C library through ``ctypes``; a no-op where
+    the library has no such function (musl, macOS).
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
