@@ -16,12 +16,16 @@ gradient norm.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
+from .flat_step import ELEMENTWISE_OPTIMIZERS, FlatRun, plan_runs, steps_flat
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["enable_local_shard_step"]
 
@@ -69,12 +73,37 @@ def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepH
 
 
 class _LocalSwap:
-    """Swaps an optimizer's DTensor parameters (and state) for local tensors around ``step``."""
+    """Swaps an optimizer's DTensor parameters (and state) for local tensors around ``step``.
+
+    Parameters of an fsdp2 group's flat buffer step as flat runs (see [Note:
+    Flat optimizer steps] in flat_step.py) when the optimizer is elementwise;
+    the others step on their local tensors one by one.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        # (param group, its original params, [(dtensor param, local tensor)])
-        self._swapped: list[tuple[dict, list, list[tuple[DTensor, torch.Tensor]]]] = []
+        self.flat = steps_flat(optimizer)
+        if not self.flat:
+            logger.debug(
+                "enable_local_shard_step: %s is not one of the elementwise optimizers (%s); "
+                "it steps on each parameter's local shard, not on flat buffers",
+                type(optimizer).__name__,
+                ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS),
+            )
+        # id(param group) -> (ids of its params, its flat runs, the rest)
+        self._plans: dict[int, tuple[tuple[int, ...], list[FlatRun], list]] = {}
+        # (param group, its original params, [(dtensor param, local tensor)], runs stepped)
+        self._swapped: list[tuple[dict, list, list[tuple[DTensor, torch.Tensor]], list[FlatRun]]] = []
+
+    def _plan(self, group: dict) -> tuple[list[FlatRun], list]:
+        params = group["params"]
+        key = tuple(map(id, params))
+        cached = self._plans.get(id(group))
+        if cached is not None and cached[0] == key and all(r.still_flat() for r in cached[1]):
+            return cached[1], cached[2]
+        runs, rest = plan_runs(params)
+        self._plans[id(group)] = (key, runs, rest)
+        return runs, rest
 
     def to_local(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         state = optimizer.state
@@ -82,8 +111,26 @@ class _LocalSwap:
             params = group["params"]
             if not _all_local_steppable(params):
                 continue
+            if self.flat and not group.get("differentiable", False):
+                runs, rest = self._plan(group)
+            else:
+                runs, rest = [], params
+            stepped: list[FlatRun] = []
+            singles = list(rest)
+            for run in runs:
+                grad = run.flat_grad()
+                if grad is None or not run.adopt_state(state):
+                    # some gradients missing, or state the run cannot hold: one by one
+                    # (which rewrites the per-parameter state, so the run rebuilds next time)
+                    run.views = None
+                    singles.extend(run.params)
+                    continue
+                run.flat.grad = grad
+                if run.state is not None:
+                    state[run.flat] = run.state
+                stepped.append(run)
             pairs = []
-            for p in params:
+            for p in singles:
                 local = local_tensor(p).detach()
                 grad = p.grad
                 local.grad = None if grad is None else local_tensor(grad)
@@ -93,12 +140,18 @@ class _LocalSwap:
                         for k, v in state.pop(p).items()
                     }
                 pairs.append((p, local))
-            group["params"] = [local for _, local in pairs]
-            self._swapped.append((group, params, pairs))
+            group["params"] = [run.flat for run in stepped] + [local for _, local in pairs]
+            self._swapped.append((group, params, pairs, stepped))
 
     def to_dtensor(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         state = optimizer.state
-        for group, params, pairs in self._swapped:
+        for group, params, pairs, stepped in self._swapped:
+            for run in stepped:
+                run.flat.grad = None
+                run.flat_steps += 1
+                run_state = state.pop(run.flat, None)
+                if run_state:
+                    run.publish(state, run_state)
             for p, local in pairs:
                 local.grad = None
                 if local in state:
