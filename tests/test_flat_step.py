@@ -21,6 +21,7 @@ from checks import check_case
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -55,13 +56,16 @@ def _set_ref_grads(ref, model):
         r.grad = None if p.grad is None else full(p.grad).clone()
 
 
-def _assert_same(ref, model, where):
+def _assert_same(ref, model, where, exact=True):
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         assert isinstance(p, DTensor), (where, name)
-        assert torch.equal(full(p.detach()), r.detach()), f"{where}: {name} differs"
+        if exact:
+            assert torch.equal(full(p.detach()), r.detach()), f"{where}: {name} differs"
+        else:  # one rounding apart at most (see _train)
+            torch.testing.assert_close(full(p.detach()), r.detach(), rtol=2e-7, atol=1e-8)
 
 
-def _assert_same_state(got_opt, want_opt, where):
+def _assert_same_state(got_opt, want_opt, where, exact=True):
     got, want = got_opt.state_dict(), want_opt.state_dict()
     assert got["param_groups"] == want["param_groups"], where
     assert got["state"].keys() == want["state"].keys(), where
@@ -72,7 +76,10 @@ def _assert_same_state(got_opt, want_opt, where):
             assert type(g) is type(value), (where, idx, key, type(g))
             if isinstance(value, DTensor):
                 assert g.placements == value.placements, (where, idx, key)
-                assert torch.equal(g.to_local(), value.to_local()), (where, idx, key)
+                if exact:
+                    assert torch.equal(g.to_local(), value.to_local()), (where, idx, key)
+                else:
+                    torch.testing.assert_close(g.to_local(), value.to_local(), rtol=2e-7, atol=1e-8)
             else:
                 assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (where, idx, key)
 
@@ -112,9 +119,13 @@ def _train(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumul
             s.step()
         for o in opts:
             o.zero_grad(set_to_none=zero_to_none)
-        _assert_same(ref, slow, f"step {step}: DTensor step vs unsharded")
-        _assert_same(ref, flat, f"step {step}: flat step vs unsharded")
-    _assert_same_state(opts[1], opts[2], "state")
+        # torch's fused CPU kernels round an element in a vector lane and in the scalar
+        # tail differently, so a fused step depends on where a tensor starts and ends:
+        # already the DTensor step of a shard differs from the unsharded step there.
+        exact = not getattr(opts[0], "defaults", {}).get("fused")
+        _assert_same(ref, slow, f"step {step}: DTensor step vs unsharded", exact)
+        _assert_same(ref, flat, f"step {step}: flat step vs unsharded", exact)
+    _assert_same_state(opts[1], opts[2], "state", exact)
     return flat, opts[1], handle
 
 
@@ -135,15 +146,19 @@ def _uses_flat_runs(rank, world_size):
 
 def _dcp_round_trip(rank, world_size, path):
     """Saved at W=4 after flat steps; loaded at this world size, stepping on bit-identically."""
-    model = build_transformer(seed=5)
-    shard_transformer(model, fully_shard, mesh=cpu_mesh())
+    model, slow = build_transformer(seed=5), build_transformer(seed=5)
+    for m in (model, slow):
+        shard_transformer(m, fully_shard, mesh=cpu_mesh())
     opt = OPTIMS["adamw"](_groups(model))
     fsdp2.enable_local_shard_step(opt)
-    slow = copy.deepcopy(model)
     slow_opt = OPTIMS["adamw"](_groups(slow))
     for m, o in ((model, opt), (slow, slow_opt)):
-        dcp.load({"model": m, "optim": o}, checkpoint_id=path)  # Stateful load
+        msd, osd = get_state_dict(m, o)  # initializes the state (a step with lr 0)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _assert_same_state(opt, slow_opt, "loaded")
+    assert opt.state and all(int(s["step"]) == 2 for s in opt.state.values())
     for step in range(2):
         batch = rank_slice(batch_of(10 + step, 2 * world_size), rank, world_size)
         for m, o in ((model, opt), (slow, slow_opt)):
@@ -157,7 +172,8 @@ def _dcp_round_trip(rank, world_size, path):
 
 def _dcp_save(rank, world_size, path):
     flat, opt, _ = _train(rank, world_size, OPTIMS["adamw"], steps=2)
-    dcp.save({"model": flat, "optim": opt}, checkpoint_id=path)
+    msd, osd = get_state_dict(flat, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 
 CASES = {f"{name}": _case(name) for name in OPTIMS}
