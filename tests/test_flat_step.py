@@ -187,7 +187,8 @@ CASES.update(
         "mixed-precision": _case(
             "adamw", shard_kw={"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
         ),
-        "offload": _case("adamw-fused", shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
+        "offload": _case("adamw", shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
+        "offload-fused": _case("adamw-fused", shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
         "uses-flat-runs": _uses_flat_runs,
     }
 )

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import dtensor_like, local_tensor
+from .._torch_compat import dtensor_like, local_tensor, same_dtensor_spec
 from ..runtime.flat_shard import flat_slot_of
 from ..runtime.shard_storage import own_storage
 
@@ -81,11 +81,15 @@ class FlatRun:
         self.views: list[dict] | None = None
         self._derived: dict[Any, Any] = {}
         self._scalars: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._state_of: dict | None = None  # the optimizer.state the views were put in
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
 
     def still_flat(self) -> bool:
+        local = local_tensor(self.params[0])
+        if local.numel():  # a re-allocated buffer moves every local tensor
+            return local.data_ptr() == self.flat.data_ptr()
         slot = flat_slot_of(self.params[0])
         return slot is not None and slot.buffer is self.buffer
 
@@ -100,21 +104,22 @@ class FlatRun:
         grads = []
         for p in self.params:
             g = p.grad
-            if not isinstance(g, DTensor):
+            if not isinstance(g, DTensor) or not (same_dtensor_spec(g, p) or _same_layout(g, p)):
                 return None
-            g = local_tensor(g)
-            if g.dtype != self.flat.dtype or g.device != self.flat.device:
-                return None
-            grads.append(g)
+            grads.append(local_tensor(g))
         g0 = grads[0]
+        dtype = self.flat.dtype
+        if g0.device != self.flat.device:
+            return None
         base, size = g0.data_ptr(), g0.element_size()
         numel = self.flat.numel()
         aligned = g0.untyped_storage().nbytes() >= (g0.storage_offset() + numel) * size
-        if aligned:
-            for g, off in zip(grads, self.offsets):
-                if g.numel() and (g.data_ptr() - base != off * size or not g.is_contiguous()):
-                    aligned = False
-                    break
+        for g, off in zip(grads, self.offsets):
+            if g.dtype != dtype:
+                return None
+            # inside g0's storage (checked above), so on its device
+            if aligned and g.numel() and (g.data_ptr() - base != off * size or not g.is_contiguous()):
+                aligned = False
         self.grad_was_view = aligned
         if aligned:
             return g0.as_strided((numel,), (1,), g0.storage_offset())
@@ -131,9 +136,9 @@ class FlatRun:
         Returns ``False`` where the run cannot step as one tensor this time
         (some parameters have state and some not, or their scalars differ).
         """
-        if self.views is not None and all(
-            state.get(p) is view for p, view in zip(self.params, self.views)
-        ):
+        # ``load_state_dict`` (DCP, set_optimizer_state_dict too) replaces ``optimizer.state``
+        # as a whole; so do per-parameter steps of these parameters (``views`` is reset).
+        if self.views is not None and state is self._state_of:
             return True
         per_param = [state.get(p) for p in self.params]
         if not any(per_param):
@@ -193,8 +198,18 @@ class FlatRun:
                     view[key] = value
         self._derived, self._scalars = dict(run_state), scalars
         self.views = views
+        self._state_of = state
         for p, view in zip(self.params, views):
             state[p] = view
+
+
+def _same_layout(grad: DTensor, param: DTensor) -> bool:
+    # fsdp2's gradients share their parameter's spec objects: identity first, cheap
+    gp, pp = grad.placements, param.placements
+    if gp is not pp and gp != pp:
+        return False
+    gm, pm = grad.device_mesh, param.device_mesh
+    return gm is pm or gm == pm
 
 
 def plan_runs(params: list) -> tuple[list[FlatRun], list]:

@@ -42,7 +42,9 @@ class LocalShardStepHandle:
         self._handles = []
 
 
-def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepHandle:
+def enable_local_shard_step(
+    optimizer: torch.optim.Optimizer, *, flat_buffers: bool = True
+) -> LocalShardStepHandle:
     """Make ``optimizer.step()`` run on the plain local shards of its DTensor parameters.
 
     The same updates, bit for bit, as stepping on the DTensors, with far less
@@ -51,6 +53,15 @@ def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepH
     parameter (e.g. one that takes a matrix norm of the whole parameter) must
     not use it. Parameter groups holding anything but DTensor parameters whose
     gradients share the parameter's placements are stepped as usual.
+
+    With fsdp2's ``fully_shard`` and one of torch's elementwise optimizers
+    (``ELEMENTWISE_OPTIMIZERS`` in flat_step.py: SGD, Adam, AdamW, Adagrad,
+    RMSprop, Adamax, NAdam, RAdam, in any of their implementations) the step
+    runs on each group's flat shard buffer, a few kernels per run of
+    parameters instead of per parameter (see [Note: Flat optimizer steps]);
+    ``flat_buffers=False`` keeps the per-parameter local step. Any other
+    optimizer, and parameters sharded by upstream's ``fully_shard``, step on
+    each local shard.
 
     Example::
 
@@ -63,7 +74,7 @@ def enable_local_shard_step(optimizer: torch.optim.Optimizer) -> LocalShardStepH
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    swap = _LocalSwap(optimizer)
+    swap = _LocalSwap(optimizer, flat_buffers)
     return LocalShardStepHandle(
         [
             optimizer.register_step_pre_hook(swap.to_local),
@@ -80,10 +91,10 @@ class _LocalSwap:
     the others step on their local tensors one by one.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, flat_buffers: bool) -> None:
         self.optimizer = optimizer
-        self.flat = steps_flat(optimizer)
-        if not self.flat:
+        self.flat = flat_buffers and steps_flat(optimizer)
+        if flat_buffers and not self.flat:
             logger.debug(
                 "enable_local_shard_step: %s is not one of the elementwise optimizers (%s); "
                 "it steps on each parameter's local shard, not on flat buffers",
@@ -109,12 +120,13 @@ class _LocalSwap:
         state = optimizer.state
         for group in optimizer.param_groups:
             params = group["params"]
-            if not _all_local_steppable(params):
-                continue
             if self.flat and not group.get("differentiable", False):
                 runs, rest = self._plan(group)
             else:
                 runs, rest = [], params
+            # runs are DTensors; their gradients are checked as they are gathered
+            if not _all_local_steppable(rest):
+                continue
             stepped: list[FlatRun] = []
             singles = list(rest)
             for run in runs:
