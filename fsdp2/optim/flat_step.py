@@ -101,25 +101,29 @@ class FlatRun:
         A view when the gradients' local tensors lie in one region laid out
         like the buffer (the reduce-scatter output); one copy otherwise.
         """
-        grads = []
-        for p in self.params:
+        # one pass, no helper calls on the usual path: this runs for every parameter
+        flat, grads = self.flat, []
+        dtype, numel = flat.dtype, flat.numel()
+        base = size = 0
+        aligned = True
+        for p, off in zip(self.params, self.offsets):
             g = p.grad
             if not isinstance(g, DTensor) or not (same_dtensor_spec(g, p) or _same_layout(g, p)):
                 return None
-            grads.append(local_tensor(g))
-        g0 = grads[0]
-        dtype = self.flat.dtype
-        if g0.device != self.flat.device:
-            return None
-        base, size = g0.data_ptr(), g0.element_size()
-        numel = self.flat.numel()
-        aligned = g0.untyped_storage().nbytes() >= (g0.storage_offset() + numel) * size
-        for g, off in zip(grads, self.offsets):
-            if g.dtype != dtype:
+            local = local_tensor(g)
+            if local.dtype != dtype:
                 return None
-            # inside g0's storage (checked above), so on its device
-            if aligned and g.numel() and (g.data_ptr() - base != off * size or not g.is_contiguous()):
+            if not grads:
+                g0 = local
+                base, size = g0.data_ptr(), g0.element_size()
+                if g0.device != flat.device:
+                    return None
+                aligned = g0.untyped_storage().nbytes() >= (g0.storage_offset() + numel) * size
+            elif aligned and local.numel() and (
+                local.data_ptr() - base != off * size or not local.is_contiguous()
+            ):  # inside g0's storage (checked above), so on its device
                 aligned = False
+            grads.append(local)
         self.grad_was_view = aligned
         if aligned:
             return g0.as_strided((numel,), (1,), g0.storage_offset())
