@@ -85,7 +85,7 @@ def _assert_same_state(got_opt, want_opt, where, exact=True):
 
 
 def _train(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumulate=1,
-           clip=False, zero_to_none=True, scheduler=False, add_group=False):
+           clip=False, zero_to_none=True, scheduler=False, add_group=False, drop_grad=False):
     """Flat-step model vs DTensor-step model vs unsharded reference on the same gradients."""
     ref = build_transformer(seed=5)
     flat, slow = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -109,6 +109,9 @@ def _train(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumul
                 if accumulate > 1:
                     m.set_requires_gradient_sync(micro == accumulate - 1)
                 loss_of(m, batch).backward()
+        if drop_grad and step == 1:  # a run with a hole: per-parameter, then never one run again
+            for m in (flat, slow):  # (its step counts differ from there on)
+                m.layers[0].attention.wq.weight.grad = None
         if clip:
             for m in (flat, slow):
                 fsdp2.clip_grad_norm_(m.parameters(), 0.05)
@@ -183,6 +186,7 @@ CASES.update(
         "clip": _case("adamw", clip=True),
         "zero-grad-keep": _case("adamw-foreach", zero_to_none=False),
         "scheduler": _case("sgd", scheduler=True),
+        "missing-grad": _case("adamw", drop_grad=True, steps=4),
         "add-param-group": _case("adamw", add_group=True),
         "mixed-precision": _case(
             "adamw", shard_kw={"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
