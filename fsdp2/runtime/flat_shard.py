@@ -198,8 +198,9 @@ class FlatSlot(NamedTuple):
 
     ``buffer`` is the group's whole flat buffer (``uint8`` for a mixed-dtype
     group); ``start`` / ``stop`` bound the parameter's padded slot in
-    ``buffer``'s elements; ``numel`` is the number of visible elements (the
-    local tensor's), which open the slot; the rest is padding.
+    ``buffer``'s elements; ``numel`` counts the visible ones (the local
+    tensor's, also in ``buffer``'s elements: bytes in a mixed group), which
+    open the slot; the rest is padding.
     """
 
     buffer: torch.Tensor
