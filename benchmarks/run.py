@@ -33,6 +33,7 @@ from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
 from bench_offload import offload_body_all  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
+from bench_small_params import small_params_body  # noqa: E402
 from bench_step import step_body  # noqa: E402
 from model import BENCH_SHAPE, MODEL_SOURCE  # noqa: E402
 from report import markdown, write_json, write_png  # noqa: E402
@@ -55,6 +56,7 @@ FULL = {
     },
     "muon_reps": 5,
     "divergence_world_size": 16384,
+    "small_reps": 8,
     "offload": {
         "shape": BENCH_SHAPE, "batch": 2, "seq": 64, "warmup": 1, "steps": 6,
         "unit_bytes": 8 << 20, "timeout": 420,
@@ -78,6 +80,7 @@ QUICK = {
     },
     "muon_reps": 2,
     "divergence_world_size": 1024,
+    "small_reps": 2,
     "offload": {
         "shape": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
         "batch": 2, "seq": 64, "warmup": 1, "steps": 3, "unit_bytes": 8 << 20, "timeout": 120,
@@ -100,7 +103,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(HERE, "out"), help="output folder")
     args = parser.parse_args()
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL, profile_small=args.profile)
     torch.set_num_threads(1)
     import fsdp2  # noqa: F401  - imported once here, inherited by every forked rank
 
@@ -160,6 +163,10 @@ def main() -> None:
         ),
         ("offload", lambda: offload_body_all(cfg["offload"], WORLD_SIZE)),
         (
+            "small_params",
+            lambda: launch(small_params_body, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0],
+        ),
+        (
             "divergence",
             lambda: launch(store_body, 1, cfg["divergence_world_size"],
                            timeout=cfg["timeout"])[0],
@@ -202,6 +209,10 @@ def main() -> None:
     if args.profile and "profile" in raw.get("hooks_w1", {}):
         print()
         print(profile_text(raw["hooks_w1"]))
+    if args.profile and "profile" in raw.get("small_params", {}):
+        print()
+        print("cProfile of one flat AdamW step, small-parameter model (rank 0):")
+        print(raw["small_params"]["profile"])
     write_json(os.path.join(args.out, "results.json"), {"rows": rows, "raw": raw})
     print()
     print(f"wrote {os.path.join(args.out, 'results.json')}")

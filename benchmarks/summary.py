@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from bench_muon import NOTES as MUON_NOTES
 from bench_muon import muon_rows as _muon_rows
+from bench_small_params import small_params_rows as _small_params_rows
 from common import median
 from report import MB, ratio_row, row
 
@@ -283,7 +284,7 @@ def build_rows(raw: dict) -> list[dict]:
     rows = []
     for make in (
         _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows,
-        _checkpoint_rows, _muon_rows, _offload_rows, _divergence_rows,
+        _checkpoint_rows, _muon_rows, _offload_rows, _divergence_rows, _small_params_rows,
     ):
         try:
             rows += make(raw)

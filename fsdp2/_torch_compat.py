@@ -55,6 +55,15 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def same_dtensor_spec(a: DTensor, b: DTensor) -> bool:
+    """Whether ``a`` and ``b`` carry the same spec object (``dtensor_like`` shares it).
+
+    An identity test, no property calls: the optimizer step checks it per
+    parameter. Reads ``DTensor._spec`` (torch 2.4 - 2.15).
+    """
+    return a._spec is b._spec
+
+
 def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor with ``template``'s mesh, placements, shape and stride around ``local``.
 

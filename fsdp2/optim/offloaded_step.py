@@ -41,15 +41,11 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
 from ..api import OptimizerOffloadPolicy
+from .flat_step import ELEMENTWISE_OPTIMIZERS, steps_flat
 from .state_store import DiskStore, HostStore, StoreError, UnitLayout, release_free_heap
 
 logger = logging.getLogger(__name__)
 
-#: Optimizers whose update of each element reads only that element's state.
-ELEMENTWISE = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-    torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-)
 _PARAM = "__param__"  # the host copy of a device parameter (host tier)
 _FORCE_COPIES = False  # tests: take the accelerator path (host copies) on CPU ranks
 
@@ -70,8 +66,8 @@ class OffloadedStep:
     """Steps ``optimizer`` unit by unit on a store's state (see [Note: Stepping in units])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: OptimizerOffloadPolicy) -> None:
-        if not isinstance(optimizer, ELEMENTWISE):
-            names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        if not steps_flat(optimizer):
+            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise ValueError(
                 f"OptimizerOffloadPolicy needs an elementwise optimizer ({names}); "
                 f"{type(optimizer).__name__} may mix elements across a parameter: step it "

@@ -37,6 +37,9 @@ makes every parameter a view of its slot.
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -111,6 +114,7 @@ class FlatShard:
         self.buffer = self._new_buffer(torch.device("meta") if on_meta else device)
         for i, (p, src) in enumerate(zip(fsdp_params, sources)):
             p.bind_sharded(self.slot(i), src if on_meta else src.to(device))
+        _register_slots(self)
         # Set when the registered parameters may no longer view the buffer.
         self.needs_adoption = False
 
@@ -147,6 +151,7 @@ class FlatShard:
             self._zero_padding()
         for i, p in enumerate(self.fsdp_params):
             p.rebind_sharded(self.slot(i))
+        _register_slots(self)
         self.needs_adoption = False
         return True
 
@@ -171,6 +176,7 @@ class FlatShard:
         self._zero_padding()
         for i, p in enumerate(params):
             p.place_sharded(self.slot(i))
+        _register_slots(self)
         self.needs_adoption = False
         return {p.sharded_param for p in params}
 
@@ -182,3 +188,63 @@ class FlatShard:
 
     def names_on_meta(self) -> list[str]:
         return [p.fqn for p in self.fsdp_params if local_tensor(p.sharded_param).is_meta]
+
+
+# ---- the flat buffer seen from a sharded parameter (for the optimizer step) ----
+
+
+class FlatSlot(NamedTuple):
+    """Where a sharded parameter's local tensor sits in its group's flat buffer.
+
+    ``buffer`` is the group's whole flat buffer (``uint8`` for a mixed-dtype
+    group); ``start`` / ``stop`` bound the parameter's padded slot in
+    ``buffer``'s elements; ``numel`` counts the visible ones (the local
+    tensor's, also in ``buffer``'s elements: bytes in a mixed group), which
+    open the slot; the rest is padding.
+    """
+
+    buffer: torch.Tensor
+    start: int
+    stop: int
+    numel: int
+
+
+# id(sharded parameter) -> (weakref to it, weakref to its FlatShard, slot index)
+_SLOTS: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+
+
+def _register_slots(flat: FlatShard) -> None:
+    ref = weakref.ref(flat)
+    for i, p in enumerate(flat.fsdp_params):
+        param = p.sharded_param
+        key = id(param)
+        _SLOTS[key] = (weakref.ref(param, lambda _, key=key: _SLOTS.pop(key, None)), ref, i)
+
+
+def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:
+    """``param``'s slot in an fsdp2 group's flat buffer, or ``None``.
+
+    ``None`` for anything that is not (or no longer) a sharded parameter
+    viewing its slot: upstream's parameters, plain tensors, a parameter with an
+    all-gather extension or one replaced since the group last adopted it.
+    """
+    entry = _SLOTS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    flat = entry[1]()
+    if flat is None or flat.needs_adoption:
+        return None
+    index = entry[2]
+    fsdp_param = flat.fsdp_params[index]
+    if fsdp_param.sharded_param is not param or not fsdp_param.in_flat:
+        return None
+    local = local_tensor(param)
+    slot = flat.slot(index)
+    if local.device != slot.device or local.numel() > slot.numel():
+        return None
+    if local.numel() > 0 and local.data_ptr() != slot.data_ptr():
+        return None
+    layout = flat.layout
+    scale = local.element_size() if layout.mixed else 1
+    start = layout.starts[index]
+    return FlatSlot(flat.buffer, start, layout.stops[index], local.numel() * scale)

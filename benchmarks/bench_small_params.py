@@ -1,0 +1,195 @@
+"""Many small parameters: forward + backward, optimizer step and whole step, side by side.
+
+The model: 96 blocks of ``LayerNorm(64)`` + two ``Linear(64, 64)`` (578
+parameters), one ``fully_shard`` per block and one on the root, stock
+``torch.optim.AdamW`` (defaults). Implementations, interleaved step by step:
+fsdp2 stepping the DTensors (``fsdp2``), fsdp2 with ``enable_local_shard_step``
+(``fsdp2-flat``: flat runs), torch's ``fully_shard`` (``torch``), FSDP1 with
+flat parameters per block (``fsdp1``, ``use_orig_params=False``) and DDP.
+Each phase is timed on every rank; a step's time is the slowest rank's.
+
+Then the demo model's optimizer step alone (gradients left in place):
+DTensor step, per-parameter local step (``flat_buffers=False``) and flat
+step, with the default AdamW and, under ``CPUOffloadPolicy``, with
+``fused=True`` AdamW (torch's vectorised CPU kernel).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from common import cpu_mesh, max_over_ranks, rotated, timed
+from model import batch as demo_batch
+from model import build_model, model_loss
+
+BLOCKS, WIDTH, BATCH = 96, 64, 8
+SMALL_IMPLS = ("fsdp2", "fsdp2-flat", "torch", "fsdp1", "ddp")
+
+
+def _small_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    blocks = [
+        nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+        for _ in range(BLOCKS)
+    ]
+    return nn.Sequential(*blocks)
+
+
+def _wrap_small(model: nn.Sequential, impl: str) -> nn.Module:
+    if impl.startswith("fsdp2") or impl == "torch":
+        if impl == "torch":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from fsdp2 import fully_shard
+        mesh = cpu_mesh()
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        cpu = torch.device("cpu")  # FSDP1 runs on CPU only when told so
+        blocks = [FSDP(b, use_orig_params=False, device_id=cpu) for b in model]
+        return FSDP(nn.Sequential(*blocks), use_orig_params=False, device_id=cpu)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _optim(model: nn.Module, impl: str, **kwargs) -> torch.optim.Optimizer:
+    optim = torch.optim.AdamW(model.parameters(), **kwargs)
+    if impl in ("fsdp2-flat", "fsdp2-local"):
+        import fsdp2
+
+        fsdp2.enable_local_shard_step(optim, flat_buffers=impl == "fsdp2-flat")
+    return optim
+
+
+def _small_steps(warmup: int, reps: int) -> dict:
+    rank = dist.get_rank()
+    models = {impl: _wrap_small(_small_model(), impl) for impl in SMALL_IMPLS}
+    optims = {impl: _optim(m, impl) for impl, m in models.items()}
+    g = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(BATCH, WIDTH, generator=g) for _ in range(4)]
+    phases = ("fwd_bwd", "optim", "whole")
+    times = {impl: {ph: [] for ph in phases} for impl in SMALL_IMPLS}
+    for i in range(warmup + reps):
+        for impl in rotated(list(SMALL_IMPLS), i):
+            model, optim = models[impl], optims[impl]
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(inputs[i % len(inputs)]).pow(2).mean().backward()
+            t1 = time.perf_counter()
+            optim.step()
+            t2 = time.perf_counter()
+            optim.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                for ph, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t0)):
+                    times[impl][ph].append(dt)
+    return {impl: {ph: max_over_ranks(v) for ph, v in t.items()} for impl, t in times.items()}
+
+
+def _demo_optim_steps(cfg: dict, reps: int) -> dict:
+    import fsdp2
+
+    rank = dist.get_rank()
+    out: dict = {}
+    variants = {
+        "dtensor": ("fsdp2", {}, None),
+        "local": ("fsdp2-local", {}, None),
+        "flat": ("fsdp2-flat", {}, None),
+        "offload-local-fused": ("fsdp2-local", {"fused": True}, fsdp2.CPUOffloadPolicy()),
+        "offload-flat-fused": ("fsdp2-flat", {"fused": True}, fsdp2.CPUOffloadPolicy()),
+        "offload-flat-foreach": ("fsdp2-flat", {"foreach": True}, fsdp2.CPUOffloadPolicy()),
+    }
+    optims = {}
+    for name, (impl, kwargs, offload) in variants.items():
+        model = build_model(0, cfg["shape"])
+        extra = {"offload_policy": offload} if offload is not None else {}
+        for layer in model.layers:
+            fsdp2.fully_shard(layer, mesh=cpu_mesh(), **extra)
+        fsdp2.fully_shard(model, mesh=cpu_mesh(), **extra)
+        optim = _optim(model, impl, lr=1e-3, **kwargs)
+        tokens, targets = demo_batch(0, rank, cfg["batch"], cfg["seq"], cfg["shape"]["vocab_size"])
+        model_loss(model, tokens, targets).backward()
+        optim.step()  # state exists from here on; gradients stay in place
+        optims[name] = optim
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    for i in range(reps):
+        for name in rotated(list(variants), i):
+            samples[name].append(timed(optims[name].step))
+    out = {n: max_over_ranks(v) for n, v in samples.items()}
+    return out
+
+
+def small_params_body(rank: int, world_size: int, cfg: dict) -> dict:
+    """Runs on every rank: the small-parameter model, then the demo model's optimizer steps."""
+    out = {"small": _small_steps(cfg["warmup"], cfg.get("small_reps", 6))}
+    if cfg.get("profile_small"):
+        out["profile"] = _profile_flat_step()
+    out["demo_optim"] = _demo_optim_steps(cfg, cfg["optim_reps"])
+    return out
+
+
+def _profile_flat_step() -> str:
+    """cProfile of one flat AdamW step on the small-parameter model (rank 0's text)."""
+    import cProfile
+    import io
+    import pstats
+
+    model = _wrap_small(_small_model(), "fsdp2")
+    optim = _optim(model, "fsdp2-flat")
+    model(torch.randn(BATCH, WIDTH)).pow(2).mean().backward()
+    optim.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    optim.step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return text.getvalue()
+
+
+def small_params_rows(raw: dict) -> list[dict]:
+    """Table rows: medians in ms, ratios to FSDP1 and to upstream, and the targets."""
+    from common import median
+    from report import row
+
+    s = raw.get("small_params")
+    if not s or "small" not in s:
+        return []
+    t = {impl: {ph: 1e3 * median(v) for ph, v in d.items()} for impl, d in s["small"].items()}
+    rows = []
+    labels = {"fwd_bwd": "forward+backward", "optim": "AdamW step", "whole": "whole step"}
+    for ph, label in labels.items():
+        for impl in ("fsdp2", "fsdp2-flat"):
+            rows.append(
+                row(f"small params ({BLOCKS} blocks), {label}, {impl} (ms; ref = FSDP1)",
+                    t[impl][ph], t["torch"][ph], t["fsdp1"][ph])
+            )
+        rows.append(row(f"small params, {label}, DDP (ms)", t["ddp"][ph], t["torch"][ph]))
+    flat = t["fsdp2-flat"]
+    step_vs_fsdp1 = flat["optim"] / t["fsdp1"]["optim"]
+    step_vs_torch = flat["optim"] / t["torch"]["optim"]
+    whole_vs_fsdp1 = flat["whole"] / t["fsdp1"]["whole"]
+    rows.append(row("small params: flat AdamW step / FSDP1's", step_vs_fsdp1, None, None,
+                    "<= 1.0", step_vs_fsdp1 <= 1.0))
+    rows.append(row("small params: flat AdamW step / torch fully_shard's", step_vs_torch, None,
+                    None, "<= 0.1", step_vs_torch <= 0.1))
+    rows.append(row("small params: flat whole step / FSDP1's", whole_vs_fsdp1, None, None,
+                    "<= 0.8", whole_vs_fsdp1 <= 0.8))
+    d = {n: 1e3 * median(v) for n, v in s.get("demo_optim", {}).items()}
+    if d:
+        rows.append(row("demo model AdamW step: flat (ms; torch col = per-param local, ref = "
+                        "DTensor)", d["flat"], d["local"], d["dtensor"], "flat <= local",
+                        d["flat"] <= d["local"]))
+        rows.append(row("demo model, CPUOffloadPolicy, fused AdamW step: flat (ms; torch col = "
+                        "per-param local fused, ref = flat foreach)", d["offload-flat-fused"],
+                        d["offload-local-fused"], d["offload-flat-foreach"],
+                        "flat <= local", d["offload-flat-fused"] <= d["offload-local-fused"]))
+    return rows
