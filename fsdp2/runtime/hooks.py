@@ -296,8 +296,13 @@ class FSDPState:
                 "Call wait() on the GradientReductionHandle that finalize_backward(async_op=True) "
                 "returned before the next forward"
             )
-        if self.post_optim_event is not None:
-            self._wait_post_optim_event()
+        if self.is_root:
+            comm = self.root_ctx.iter_ctx.comm
+            if comm.active:  # See [Note: Streams] in streams.py
+                event, self.post_optim_event = self.post_optim_event, None
+                comm.before_root_forward(event)
+            elif self.post_optim_event is not None:
+                self._wait_post_optim_event()
         # See [Note: Groups run in parts]
         starts_use = not self._modules_to_run
         if len(self.modules) > 1 and starts_use:
@@ -381,6 +386,7 @@ class FSDPState:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
                 state.param_group.end_backward(defer_reduction=manual)
+        ctx.iter_ctx.comm.after_backward()
         if ctx.is_last_backward and not manual:
             self._end_step()
         ctx.callback_queued = False
@@ -390,6 +396,7 @@ class FSDPState:
         for state in ctx.all_states:
             if state.param_group is not None:
                 state.param_group.end_step()
+        ctx.iter_ctx.comm.after_backward()
         ctx.iter_ctx.post_forward_order.clear()
         ctx.manual_active = None
 
