@@ -342,6 +342,8 @@ class FSDPParamGroup:
                 if step.post_forward_flat is not None:
                     # kept (and freed) until wait_for_unshard: the collective reads it
                     ag_input = step.post_forward_flat
+                    if streams:  # written by the compute stream at the post-forward reshard
+                        comm.wait_stream(None, comm.copy_in, comm.current())
                     group = self.post_forward_mesh_info.process_group
                 else:
                     ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group

@@ -313,8 +313,7 @@ class GradientReduction:
         held = list(grads)  # read on the reduce-scatter stream: freed after its event
         with comm.use(comm.reduce_scatter):
             self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
-        stream = comm.all_reduce if hsdp else comm.reduce_scatter
-        comm.reduce_scatter_state = (held, comm.record(stream))
+        comm.reduce_scatter_state = (held, comm.record(comm.reduce_scatter))
         comm.reduce_scatter_offload = self.offload
 
     def _reduce(
@@ -412,6 +411,8 @@ class GradientReduction:
             collectives.all_reduce(
                 output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG
             )
+        if comm.active:  # the views and casts after it run on the reduce-scatter stream
+            comm.wait_stream(None, comm.reduce_scatter, comm.all_reduce)
         return True
 
     @property
