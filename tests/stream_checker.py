@@ -19,6 +19,7 @@ on that stream must be ordered after every other stream's use of it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -86,11 +87,19 @@ class _Access:
     op: str
 
 
-@dataclass
-class _StorageInfo:
+@dataclass(eq=False)
+class _Region:
+    """A range of memory: one allocation and every storage seen over it (DLPack aliases)."""
+
+    start: int
+    end: int
     alloc: SimStream
-    write: _Access | None = None
-    reads: list[_Access] = field(default_factory=list)
+    owners: int = 0  # live storages that own the memory (resizable ones)
+    write: dict[int, _Access] = field(default_factory=dict)  # last write, per stream
+    reads: dict[int, _Access] = field(default_factory=dict)  # last read, per stream
+
+    def accesses(self) -> list[_Access]:
+        return list(self.write.values()) + list(self.reads.values())
 
 
 class StreamChecker(TorchDispatchMode):
@@ -105,8 +114,13 @@ class StreamChecker(TorchDispatchMode):
         self._streams: list[SimStream] = []
         self.default = self.new_stream(name="compute")
         self.current = self.default
-        self._storages: dict[int, _StorageInfo] = {}
-        self._pending_free: dict[int, list[tuple[str, _StorageInfo]]] = {}
+        # Memory is tracked by address range, not by storage object: fsdp2's sharded
+        # parameters own DLPack storages over their group's flat buffer (shard_storage.py).
+        self._regions: dict[int, _Region] = {}  # by start; disjoint
+        self._starts: list[int] = []  # sorted
+        self._seen: dict[int, tuple[int, int, _Region, bool]] = {}  # storage -> ptr, nbytes, region, owns
+        self._watched: set[int] = set()
+        self._pending_free: dict[int, list[tuple[str, _Region]]] = {}
         self._pg_streams: dict[int, SimStream] = {}
         self._paused = 0
         self._exit: contextlib.ExitStack | None = None
@@ -154,51 +168,105 @@ class StreamChecker(TorchDispatchMode):
     def _ordered(self, access: _Access, stream: SimStream) -> bool:
         return access.stream is stream or self._clocks[stream.id].get(access.stream.id, 0) >= access.tick
 
-    def _info(self, storage: torch.UntypedStorage, stream: SimStream) -> _StorageInfo:
-        key = storage._cdata
-        info = self._storages.get(key)
-        if info is None:
+    def _region(self, storage: torch.UntypedStorage, stream: SimStream) -> _Region | None:
+        try:
+            key, ptr, nbytes = storage._cdata, storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a wrapper subclass's storage: no memory of its own
+            return None
+        if nbytes == 0 or ptr == 0:
+            return None
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] == ptr and seen[1] == nbytes:
+            return seen[2]
+        owns = storage.resizable()  # DLPack storages are not: they alias an allocation
+        if owns:
             self._allocated(stream)
-            info = self._storages[key] = _StorageInfo(alloc=stream)
-            weakref.finalize(storage, self._freed, key)
-        return info
+        end = ptr + nbytes
+        i = bisect.bisect_left(self._starts, end)
+        overlapping = []
+        while i > 0 and self._regions[self._starts[i - 1]].end > ptr:
+            overlapping.append(self._regions[self._starts[i - 1]])
+            i -= 1
+        if len(overlapping) == 1 and overlapping[0].start <= ptr and end <= overlapping[0].end:
+            region = overlapping[0]
+        else:  # a new allocation, or a range joining others: one region over all of them
+            region = _Region(min([ptr] + [r.start for r in overlapping]),
+                             max([end] + [r.end for r in overlapping]), stream)
+            for old in overlapping:
+                self._drop(old)
+                region.owners += old.owners
+                if old.owners:
+                    region.alloc = old.alloc
+                for mine, theirs in ((region.write, old.write), (region.reads, old.reads)):
+                    for sid, acc in theirs.items():
+                        if sid not in mine or mine[sid].tick < acc.tick:
+                            mine[sid] = acc
+            for k, (p, n, r, o) in list(self._seen.items()):
+                if r in overlapping:
+                    self._seen[k] = (p, n, region, o)
+            self._regions[region.start] = region
+            bisect.insort(self._starts, region.start)
+        if owns:
+            region.owners += 1
+        self._seen[key] = (ptr, nbytes, region, owns)
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(storage, self._finalized, key)
+        return region
+
+    def _drop(self, region: _Region) -> None:
+        if self._regions.get(region.start) is region:
+            del self._regions[region.start]
+            self._starts.pop(bisect.bisect_left(self._starts, region.start))
 
     def _allocated(self, stream: SimStream) -> None:
         """A new allocation on ``stream`` may reuse memory freed to its pool."""
-        for op, info in self._pending_free.pop(stream.id, []):
-            for access in ([info.write] if info.write else []) + info.reads:
+        for op, region in self._pending_free.pop(stream.id, []):
+            for access in region.accesses():
                 if not self._ordered(access, stream):
                     self._error(
                         f"memory freed after '{op}' is reused by {stream} while '{access.op}' "
                         f"on {access.stream} may still use it"
                     )
 
+    def _finalized(self, key: int) -> None:
+        self._watched.discard(key)
+        self._freed(key)
+
     def _freed(self, key: int, op: str = "free") -> None:
-        info = self._storages.pop(key, None)
-        if info is not None:
-            self._pending_free.setdefault(info.alloc.id, []).append((op, info))
+        seen = self._seen.pop(key, None)
+        if seen is None or not seen[3]:
+            return  # an alias going away frees nothing
+        region = seen[2]
+        region.owners -= 1
+        if region.owners <= 0:
+            self._drop(region)
+            self._pending_free.setdefault(region.alloc.id, []).append((op, region))
 
     def access(self, storage: torch.UntypedStorage, write: bool, op: str,
                stream: SimStream | None = None) -> None:
         stream = stream or self.current
-        info = self._info(storage, stream)
+        region = self._region(storage, stream)
+        if region is None:
+            return
         tick = self._clocks[stream.id].get(stream.id, 0)
         here = _Access(stream, tick, op)
-        if info.write is not None and not self._ordered(info.write, stream):
-            self._error(
-                f"'{op}' on {stream} {'writes' if write else 'reads'} a storage that "
-                f"'{info.write.op}' wrote on {info.write.stream} with no ordering edge"
-            )
+        for last in region.write.values():
+            if not self._ordered(last, stream):
+                self._error(
+                    f"'{op}' on {stream} {'writes' if write else 'reads'} memory that "
+                    f"'{last.op}' wrote on {last.stream} with no ordering edge"
+                )
         if write:
-            for read in info.reads:
+            for read in region.reads.values():
                 if not self._ordered(read, stream):
                     self._error(
-                        f"'{op}' on {stream} writes a storage that '{read.op}' read on "
+                        f"'{op}' on {stream} writes memory that '{read.op}' read on "
                         f"{read.stream} with no ordering edge"
                     )
-            info.write, info.reads = here, []
+            region.write, region.reads = {stream.id: here}, {}
         else:
-            info.reads = [r for r in info.reads if r.stream is not stream] + [here]
+            region.reads[stream.id] = here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -222,7 +290,7 @@ class StreamChecker(TorchDispatchMode):
                 self.access(storage, is_write, name, stream)
         for t in _tensors(out):
             storage = t.untyped_storage()
-            fresh = storage._cdata not in self._storages
+            fresh = storage._cdata not in self._seen
             if fresh or storage._cdata in written:
                 self.access(storage, True, name, stream)
         return out

@@ -68,7 +68,7 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
 
 def _planted(rank, world_size):
     out = {}
-    for edge in streams.EDGES:
+    for edge in CAUGHT:
         kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
         errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
                         **kwargs)
@@ -85,18 +85,22 @@ def test_each_planted_missing_wait_is_caught(launch_cases):
         for edge in CAUGHT:
             errors = result[edge]
             assert errors, f"rank {rank}: skipping the wait '{edge}' went unnoticed"
-            assert "stream" in errors[0] and "'" in errors[0], errors[0]
+            assert SIGNATURE[edge] in errors[0], (edge, errors[0])
 
 
-# The post-optimizer wait is not caught yet: something else orders the next
-# forward's all-gather after the optimizer on the simulated streams (open).
-CAUGHT = [e for e in streams.EDGES if e != "post_optim->all_gather"]
+# The race each skipped wait leaves, as the checker names it (first error).
+SIGNATURE = {
+    "all_gather->copy_out": "on stream 0 (compute) reads memory that 'all_gather_single' wrote",
+    "copy_out->compute": "is reused by stream 1 (copy_in) while 'all_gather_single'",
+    "compute->reduce_scatter": "'_chunk_cat' on stream 3 (reduce_scatter) reads memory",
+    "reduce_scatter->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
+    "offload->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
+    "post_optim->all_gather": "'all_gather_single' on stream 5 (process group 0) reads memory",
+}
 
 
-@pytest.mark.xfail(strict=True, reason="open: the post-optimizer edge is not isolated yet")
-def test_post_optim_missing_wait_is_caught(launch_cases):
-    ok, per_rank = launch_cases.run(_planted, 2)
-    assert ok and per_rank[0]["post_optim->all_gather"]
+# At W=2; the post-forward shard's edge needs a smaller post-forward group (W=4 below).
+CAUGHT = [e for e in streams.EDGES if e != "post_forward_shard->all_gather"]
 
 
 def _case(**kwargs):
@@ -128,15 +132,17 @@ def test_matrix_w2(launch_cases, name):
     check_case(launch_cases(2, MATRIX), name)
 
 
-MATRIX_W4 = {"default": _case(), "reshard_int": _case(reshard_after_forward=2), "hsdp": _hsdp}
+def _reshard_int(rank, world_size):
+    errors = _train(rank, world_size, reshard_after_forward=2)
+    assert errors == [], "\n".join(errors[:5])
+    planted = _train(rank, world_size, "post_forward_shard->all_gather", reshard_after_forward=2)
+    assert planted and "'cat' wrote on stream 0 (compute)" in planted[0], planted[:2]
 
 
-@pytest.mark.parametrize("name", [
-    "default", "hsdp",
-    # open: the kept post-forward shard ('cat' on compute) is read by the backward
-    # all-gather with no edge the checker sees; the copy-in stream's wait is not enough
-    pytest.param("reshard_int", marks=pytest.mark.xfail(strict=True, reason="open race")),
-])
+MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX_W4))
 def test_matrix_w4(launch_cases, name):
     check_case(launch_cases(4, MATRIX_W4), name)
 

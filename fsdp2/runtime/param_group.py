@@ -329,6 +329,9 @@ class FSDPParamGroup:
         if streams:  # the stream's own wait orders the collective: see [Note: Streams]
             comm.release_all_gather()
             async_op = False
+            # the kept post-forward shard was written ('cat') on the compute stream
+            comm.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
+        step.post_forward_event = None
         with record_function("FSDP::all_gather"):
             if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
@@ -342,8 +345,6 @@ class FSDPParamGroup:
                 if step.post_forward_flat is not None:
                     # kept (and freed) until wait_for_unshard: the collective reads it
                     ag_input = step.post_forward_flat
-                    if streams:  # written by the compute stream at the post-forward reshard
-                        comm.wait_stream(None, comm.copy_in, comm.current())
                     group = self.post_forward_mesh_info.process_group
                 else:
                     ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group
@@ -446,7 +447,7 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         step = self.step
-        step.post_forward_flat = None
+        step.post_forward_flat = step.post_forward_event = None
         if step.pending_staged is not None:
             staged, step.pending_staged = step.pending_staged, None
             if staged.work is not None:
@@ -488,6 +489,7 @@ class FSDPParamGroup:
         kept = torch.cat(blocks, dim=1)
         self.reshard()
         self.step.post_forward_flat = kept.view(-1)
+        self.step.post_forward_event = self.ctx.comm.record()
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 

@@ -55,6 +55,7 @@ class StepState:
     # This rank's share over the post-forward group; see [Note: Resharding to a
     # smaller group after forward] in param_group.py.
     post_forward_flat: torch.Tensor | None = None
+    post_forward_event: object | None = None  # recorded after it was written (FSDP's streams)
     # Where each use of this iteration sits in IterContext.post_forward_order,
     # popped by backward prefetching.
     post_forward_indices: list[int] = field(default_factory=list)

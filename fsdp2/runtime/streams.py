@@ -23,7 +23,10 @@ On an accelerator each root (or roots joined by ``share_comm_ctx``) owns a
   with CPU offload the host waits for the device-to-host copies instead
   (``offload->optimizer``);
 - the next root forward's all-gather streams wait for the post-optimizer
-  event, or the compute stream (``post_optim->all_gather``).
+  event, or the compute stream (``post_optim->all_gather``);
+- with ``reshard_after_forward`` an int, the backward all-gather streams wait
+  for the event recorded after the kept post-forward shard was written on the
+  compute stream (``post_forward_shard->all_gather``).
 
 Lifetimes cross streams through events and held references, never
 ``Tensor.record_stream``. On CPU there is one stream: ``CommStreams.active``
@@ -55,6 +58,7 @@ EDGES = (
     "reduce_scatter->optimizer",
     "offload->optimizer",
     "post_optim->all_gather",
+    "post_forward_shard->all_gather",
 )
 
 
@@ -154,11 +158,17 @@ class CommStreams:
         """The all-gather streams wait for the optimizer (its event, or the compute stream)."""
         if not self.active:
             return
+        if post_optim_event is not None:
+            self.wait_all_gather_streams("post_optim->all_gather", post_optim_event)
+            return
         for stream in (self.copy_in, self.all_gather):
-            if post_optim_event is not None:
-                self.wait_event("post_optim->all_gather", stream, post_optim_event)
-            else:
-                self.wait_stream("post_optim->all_gather", stream, self.current())
+            self.wait_stream("post_optim->all_gather", stream, self.current())
+
+    def wait_all_gather_streams(self, edge: str, event: Any) -> None:
+        """The copy-in and all-gather streams wait for ``event`` (if any)."""
+        if self.active and event is not None:
+            self.wait_event(edge, self.copy_in, event)
+            self.wait_event(edge, self.all_gather, event)
 
     def release_all_gather(self) -> None:
         """Drop the previous all-gather output once the copy-in stream is past its copy-out."""
