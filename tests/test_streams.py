@@ -12,22 +12,41 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from checks import assert_grads_match, check_case
 from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
 from stream_checker import StreamChecker, skipped
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
-from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
 from fsdp2.runtime import streams
 
 STEPS = 3
 
 
 def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
-           post_optim_event=False, mesh=None, hook_stream=False, **kwargs):
+           post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
+           checkpointed=False, muon=False, compiled=False, custom_all_gather=False, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
+    if compiled:  # one block compiled, as tests/test_compile.py does
+        model.layers[1].compile(backend="aot_eager")
     shard_chain(model, fully_shard, mesh=mesh, **kwargs)
+    if checkpointed:  # every block recomputed in backward (its all-gather again)
+        layers, head = list(model.layers), model.head
+
+        def forward(x):
+            for layer in layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return head(x)
+
+        model.forward = forward
+    if custom_all_gather:  # the staged all-gather path (a user comm with its own buffers)
+        for m in [*model.layers, model]:
+            m.set_custom_all_gather(_AllGather())
+    if finalize_async:
+        model.set_manual_backward_finalization(True)
     if prefetch:
         layers = list(model.layers)
         for a, b in zip(layers, layers[1:]):
@@ -35,11 +54,23 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
             b.set_modules_to_backward_prefetch([a])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if muon:  # fsdp2.Muon on the matrices (its own collectives), SGD on the rest
+        ref_opts = [torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], lr=0.02),
+                    torch.optim.SGD([p for p in ref.parameters() if p.ndim != 2], lr=0.1)]
+        opts = [Muon([(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.02),
+                torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.1)]
+    else:
+        ref_opts, opts = [ref_opt], [opt]
+    if compiled:  # compile outside the checker; under it the compiled block runs
+        mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+        model.zero_grad()
     checker = StreamChecker()
     seen = []
     with checker, skipped(edge) if edge else contextlib.nullcontext():
         if hook_stream:
-            model.set_all_reduce_hook(lambda t: seen.append(t.sum()), stream=checker.new_stream("hook"))
+            # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
+            stream = None if mesh is not None else checker.new_stream("hook")
+            model.set_all_reduce_hook(lambda t: seen.append(t.sum()), stream=stream)
         for step in range(STEPS):
             batch = chain_batch(step, 8)
             micro = 2 if accumulate else 1
@@ -51,19 +82,34 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
                 ref_loss.backward()
                 loss = mlp_loss(model, rank_slice(half, rank, world_size)) * (1 / micro)
                 loss.backward()
+            if finalize_async:
+                model.finalize_backward(async_op=True).wait()
             if check_ref and not edge:
                 assert_grads_match(ref, model, 1e-5, 1e-6)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            opt.step()
-            opt.zero_grad()
+            for o in ref_opts + opts:
+                o.step()
+                o.zero_grad()
             if post_optim_event:
                 event = checker.new_event()
                 event.record()
                 model.set_post_optim_event(event)
     if hook_stream and not edge:
         assert len(seen) > 0
+    if check_ref and not edge:  # the parameters after the last step too
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
     return checker.errors
+
+
+class _AllGather:
+    """A custom all-gather: its own output buffers, the collective through torch.distributed."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
 
 
 def _planted(rank, world_size):
@@ -112,7 +158,7 @@ def _case(**kwargs):
 
 def _hsdp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    errors = _train(rank, world_size, mesh=mesh, hook_stream=False)
+    errors = _train(rank, world_size, mesh=mesh, hook_stream=True)
     assert errors == [], "\n".join(errors[:5])
 
 
@@ -124,6 +170,11 @@ MATRIX = {
     "offload": _case(offload_policy=CPUOffloadPolicy()),
     "accumulate": _case(accumulate=True),
     "hook_on_stream": _case(hook_stream=True),
+    "finalize_async": _case(finalize_async=True),
+    "checkpointed": _case(checkpointed=True),
+    "muon": _case(muon=True),
+    "compiled_block": _case(compiled=True),
+    "custom_all_gather": _case(custom_all_gather=True),
 }
 
 
@@ -139,7 +190,24 @@ def _reshard_int(rank, world_size):
     assert planted and "'cat' wrote on stream 0 (compute)" in planted[0], planted[:2]
 
 
-MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp}
+def _pipeline(rank, world_size):
+    """1F1B over (pp=2, dp=2) with fsdp2's PipelineStage: no race, same losses and parameters."""
+    from test_pipelining import _train_pipeline
+
+    import fsdp2.pipelining
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    run = lambda: _train_pipeline("1F1B", fully_shard, fsdp2.pipelining.PipelineStage, mesh)  # noqa: E731
+    _, want_losses, want_params, _ = run()
+    checker = StreamChecker()
+    with checker:
+        _, losses, params, _ = run()
+    assert checker.errors == [], "\n".join(checker.errors[:5])
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
+    torch.testing.assert_close(params, want_params, rtol=0, atol=0)
+
+
+MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline}
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX_W4))

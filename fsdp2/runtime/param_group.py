@@ -413,6 +413,8 @@ class FSDPParamGroup:
             else:
                 p.finish_copy_out()
             p.to_unsharded()
+        if event is not None:  # held until the next all-gather, after this copy-out
+            comm.all_gather_state = (staged, comm.record())
         self.step.is_unsharded = True
 
     @outside_functorch
