@@ -249,3 +249,69 @@ def test_cpu_has_no_streams():
     comm = streams.CommStreams()
     comm.init(torch.device("cpu"))
     assert not comm.active and comm.copy_in is None
+
+
+def _bounded(rank, world_size):
+    """Peaks while the CPU runs ahead (nothing blocks in checker mode), per prefetch mode.
+
+    Counted from what fsdp2 holds at each allocation (the new buffer included):
+    the backend may keep a finished collective's tensors a little longer (gloo's
+    worker thread), which no stream ordering of ours governs.
+    """
+    return {prefetch: _peaks(rank, world_size, prefetch) for prefetch in (False, True)}
+
+
+def _peaks(rank, world_size, prefetch):
+    from fsdp2.runtime import collectives
+
+    peak = {"ag": 0, "rs": 0, "groups": 0}
+    originals = collectives.all_gather_output, collectives.reduce_scatter_input
+
+    def tracked(kind, fn):
+        def wrapper(*args, **kwargs):
+            comm = groups[0].ctx.comm
+            if kind == "ag":
+                in_flight = [g for g in groups if g.step.pending_unshard is not None
+                             or g.step.pending_staged is not None]
+                alive = 1 + len(in_flight) + (comm.all_gather_state is not None)
+                busy = [g for g in groups if g.step.is_unsharded or g in in_flight]
+                peak["groups"] = max(peak["groups"], len(busy) + 1)
+            else:
+                alive = 1 + (comm.reduce_scatter_state is not None)
+            peak[kind] = max(peak[kind], alive)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    ref, model = make_pair(build_chain)
+    shard_chain(model, fully_shard)
+    groups = [m._fsdp_state().param_group for m in [*model.layers, model]]
+    if prefetch:
+        layers = list(model.layers)
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    collectives.all_gather_output = tracked("ag", originals[0])
+    collectives.reduce_scatter_input = tracked("rs", originals[1])
+    checker = StreamChecker()
+    try:
+        with checker:
+            for step in range(2):
+                mlp_loss(model, rank_slice(chain_batch(step, 8), rank, world_size)).backward()
+    finally:
+        collectives.all_gather_output, collectives.reduce_scatter_input = originals
+    assert checker.errors == [], checker.errors[:3]
+    assert groups[0].ctx.comm.active
+    return peak
+
+
+def test_memory_bounded_as_upstream(launch_cases):
+    """Upstream's bound: the previous all-gather output is released (after the copy-in
+    stream waited for its copy-out) before the next is allocated, so one output is
+    alive at a time; one reduce-scatter input (``reduce_scatter_max_input_buffers``
+    = 1); and at an all-gather's issue at most the root, the group being consumed
+    and the one in flight hold unsharded parameters (the Chain's root holds its head)."""
+    ok, per_rank = launch_cases.run(_bounded, 2)
+    assert ok, per_rank
+    for peaks in per_rank:
+        for prefetch in (False, True):
+            assert peaks[prefetch] == {"ag": 1, "rs": 1, "groups": 3}, (prefetch, peaks)
