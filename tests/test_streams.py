@@ -227,22 +227,36 @@ def test_one_rank_forced_collectives(launch_cases):
 
 
 def _profile(rank, world_size):
-    ref, model = make_pair(build_chain)
-    shard_chain(model, fully_shard)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
-    return sorted({e.key for e in prof.key_averages() if e.key.startswith("FSDP::")})
+    """The ``FSDP::`` ranges of one training step in a CPU profile, ours and upstream's."""
+    import torch.distributed.fsdp as upstream
+
+    out = {}
+    for name, shard in (("ours", fully_shard), ("upstream", upstream.fully_shard)):
+        _, model = make_pair(build_chain)
+        shard_chain(model, shard)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+        out[name] = sorted({e.key for e in prof.key_averages() if e.key.startswith("FSDP::")})
+    return out
+
+
+# The ranges fsdp2 opens, by upstream's names (with the group's FQN, as upstream).
+RANGES = (
+    "FSDP::root_pre_forward", "FSDP::root_post_backward_callback", "FSDP::all_gather",
+    "FSDP::all_gather_copy_out", "FSDP::pre_forward", "FSDP::post_forward",
+    "FSDP::pre_backward", "FSDP::post_backward_accumulate", "FSDP::post_backward_reshard",
+    "FSDP::post_backward_reduce", "FSDP::backward_prefetch",
+)
 
 
 def test_profiler_ranges_have_upstreams_names(launch_cases):
     ok, per_rank = launch_cases.run(_profile, 2)
     assert ok, per_rank
-    expected = {
-        "FSDP::all_gather", "FSDP::all_gather_copy_out", "FSDP::pre_forward",
-        "FSDP::post_forward", "FSDP::pre_backward", "FSDP::post_backward",
-        "FSDP::post_backward_reduce",
-    }
-    assert expected <= set(per_rank[0]), per_rank[0]
+    ours, theirs = per_rank[0]["ours"], per_rank[0]["upstream"]
+    base = lambda k: k.split(" (")[0].split(" for ")[0]  # noqa: E731
+    mine = {k for k in theirs if base(k) in RANGES}
+    assert {base(k) for k in ours} == set(RANGES), ours
+    assert set(ours) == mine, (sorted(set(ours) ^ mine), ours, theirs)
 
 
 def test_cpu_has_no_streams():

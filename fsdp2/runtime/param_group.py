@@ -332,7 +332,7 @@ class FSDPParamGroup:
             # the kept post-forward shard was written ('cat') on the compute stream
             comm.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
-        with record_function("FSDP::all_gather"):
+        with record_function("FSDP::all_gather", self.module_fqn):
             if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
@@ -436,7 +436,7 @@ class FSDPParamGroup:
             comm.wait_event("all_gather->copy_out", comm.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
-        with record_function("FSDP::all_gather_copy_out"):
+        with record_function("FSDP::all_gather_copy_out", self.module_fqn):
             collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
@@ -500,13 +500,13 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         logger.debug("pre_forward %s", self.module_fqn)
         self.step.training_state = TrainingState.FORWARD
-        with record_function("FSDP::pre_forward"):
+        with record_function("FSDP::pre_forward", self.module_fqn):
             self.unshard(on_comm_streams=True)
             self.wait_for_unshard()
 
     def post_forward(self) -> None:
         logger.debug("post_forward %s", self.module_fqn)
-        with record_function("FSDP::post_forward"):
+        with record_function("FSDP::post_forward", self.module_fqn):
             self._post_forward()
 
     def _post_forward(self) -> None:
@@ -530,7 +530,7 @@ class FSDPParamGroup:
         logger.debug("pre_backward %s", self.module_fqn)
         self.step.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
-            with record_function("FSDP::pre_backward"):
+            with record_function("FSDP::pre_backward", self.module_fqn):
                 self.unshard(on_comm_streams=True)
                 self.wait_for_unshard()
         self.reduction.set_grad_dtypes(defer=True)
@@ -542,7 +542,9 @@ class FSDPParamGroup:
         """Start this group's all-gather early; its pre-forward/pre-backward waits for it."""
         if in_backward and not self.settings.unshard_in_backward:
             return
-        self.unshard(async_op=True, on_comm_streams=True)
+        name = "FSDP::backward_prefetch" if in_backward else "FSDP::forward_prefetch"
+        with record_function(name, self.module_fqn):
+            self.unshard(async_op=True, on_comm_streams=True)
 
     def _prefetch_previous(self) -> None:
         # Backward runs groups in reverse forward order: start the all-gather
@@ -579,29 +581,27 @@ class FSDPParamGroup:
         several modules; ``None``: every use not reduced yet).
         """
         logger.debug("post_backward %s", self.module_fqn)
-        with record_function("FSDP::post_backward"):
-            self._post_backward(use)
-
-    def _post_backward(self, use: set[nn.Module] | None) -> None:
         ran = self._take_use(use)
         self.step.training_state = TrainingState.POST_BACKWARD
         reduce_grads = self.reduction.settings.reduce_grads
+        fqn = self.module_fqn
         # Held gradients wait for a reducing post-backward (see end_backward); see
         # [Note: Gradient accumulation without sync] in reduction.py.
         self.step.post_backward_pending = not reduce_grads
-        if not reduce_grads:
-            self.reduction.hold_unsharded_grads()
-            if self.settings.reshard_after_backward:
-                self.reshard()
-            return
-        # Only these lists hold the gradients: the reduce-scatter frees each once copied in.
-        with_grad, grads, filled = self.reduction.take_grads(ran)
+        with record_function("FSDP::post_backward_accumulate", fqn):
+            if not reduce_grads:
+                self.reduction.hold_unsharded_grads()
+            else:  # only these lists hold the gradients: the reduce-scatter frees each
+                with_grad, grads, filled = self.reduction.take_grads(ran)
         if self.settings.reshard_after_backward:
-            self.reshard()
+            with record_function("FSDP::post_backward_reshard", fqn):
+                self.reshard()
+        if not reduce_grads:
+            return
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
-            with record_function("FSDP::post_backward_reduce"):
+            with record_function("FSDP::post_backward_reduce", self.module_fqn):
                 self.reduction.reduce_scatter(
                     with_grad, grads, filled, self.sharded_flat.device, self.module_fqn,
                     self.ctx.comm,

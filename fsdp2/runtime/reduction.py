@@ -308,7 +308,7 @@ class GradientReduction:
             self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
             return
         self._comm = comm
-        comm.release_reduce_scatter()  # one reduction in flight: bounds its buffers
+        comm.release_reduce_scatter(module_fqn)  # one reduction in flight: bounds its buffers
         comm.wait_stream("compute->reduce_scatter", comm.reduce_scatter, comm.current())
         held = list(grads)  # read on the reduce-scatter stream: freed after its event
         with comm.use(comm.reduce_scatter):

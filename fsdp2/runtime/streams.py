@@ -176,11 +176,12 @@ class CommStreams:
         if state is not None:
             self.wait_event("copy_out->compute", self.copy_in, state[1])
 
-    def release_reduce_scatter(self) -> None:
+    def release_reduce_scatter(self, fqn: str = "") -> None:
         """The compute stream waits for the previous reduce-scatter, then its buffers go."""
         state, self.reduce_scatter_state = self.reduce_scatter_state, None
         if state is not None:
-            self.wait_event(None, self.current(), state[1])
+            with record_function("FSDP::post_backward_rs_wait", fqn):
+                self.wait_event(None, self.current(), state[1])
 
     def after_backward(self) -> None:
         """Before the optimizer: the compute stream (or, for gradients on the host, the
@@ -206,8 +207,13 @@ class CommStreams:
         current.wait_stream(stream)
 
 
-def record_function(name: str) -> Any:
-    """A profiler range named as upstream's (``FSDP::...``); free when no profiler runs."""
+def record_function(name: str, fqn: str = "") -> Any:
+    """A profiler range named as upstream's (``FSDP::pre_forward (layers.0)``).
+
+    Free when no profiler runs: the label is only built while one does.
+    """
     if profiler_enabled():
+        if fqn:  # upstream names a prefetch "for" its target
+            name = f"{name} for {fqn}" if name.endswith("_prefetch") else f"{name} ({fqn})"
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
