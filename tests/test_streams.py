@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
 from fsdp2.runtime import streams
+from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 
 STEPS = 3
 
@@ -244,9 +245,9 @@ def _profile(rank, world_size):
 RANGES = (
     "FSDP::root_pre_forward", "FSDP::root_post_backward_callback", "FSDP::all_gather",
     "FSDP::all_gather_copy_out", "FSDP::pre_forward", "FSDP::post_forward",
-    "FSDP::pre_backward", "FSDP::post_backward_accumulate", "FSDP::post_backward_reshard",
-    "FSDP::post_backward_reduce", "FSDP::backward_prefetch",
-)
+    "FSDP::pre_backward", "FSDP::post_backward_reshard", "FSDP::post_backward_reduce",
+    "FSDP::backward_prefetch",
+) + (("FSDP::post_backward_accumulate",) if ACCUMULATE_PROFILER_RANGE else ())
 
 
 def test_profiler_ranges_have_upstreams_names(launch_cases):

@@ -39,6 +39,7 @@ these copies is a no-op and the code path is the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,7 @@ import torch.nn as nn
 from .._torch_compat import local_tensor, outside_functorch
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE
+from ..versions import ACCUMULATE_IN_GRAD_DTYPE, ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
@@ -588,14 +589,16 @@ class FSDPParamGroup:
         # Held gradients wait for a reducing post-backward (see end_backward); see
         # [Note: Gradient accumulation without sync] in reduction.py.
         self.step.post_backward_pending = not reduce_grads
-        with record_function("FSDP::post_backward_accumulate", fqn):
-            if not reduce_grads:
-                self.reduction.hold_unsharded_grads()
-            else:  # only these lists hold the gradients: the reduce-scatter frees each
-                with_grad, grads, filled = self.reduction.take_grads(ran)
-        if self.settings.reshard_after_backward:
-            with record_function("FSDP::post_backward_reshard", fqn):
-                self.reshard()
+        split, nothing = ACCUMULATE_PROFILER_RANGE, contextlib.nullcontext()  # upstream's ranges
+        with nothing if split else record_function("FSDP::post_backward_reshard", fqn):
+            with record_function("FSDP::post_backward_accumulate", fqn) if split else nothing:
+                if not reduce_grads:
+                    self.reduction.hold_unsharded_grads()
+                else:  # only these lists hold the gradients: the reduce-scatter frees each
+                    with_grad, grads, filled = self.reduction.take_grads(ran)
+            if self.settings.reshard_after_backward:
+                with record_function("FSDP::post_backward_reshard", fqn) if split else nothing:
+                    self.reshard()
         if not reduce_grads:
             return
         if self.layout.mixed:  # requires_grad may have changed since lazy init
