@@ -28,7 +28,8 @@ STEPS = 3
 
 def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
-           checkpointed=False, muon=False, compiled=False, custom_all_gather=False, **kwargs):
+           checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
+           keep_storage=False, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -48,6 +49,8 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
             m.set_custom_all_gather(_AllGather())
     if finalize_async:
         model.set_manual_backward_finalization(True)
+    if keep_storage:  # every unshard writes the memory the last step's compute read
+        model.set_keep_unsharded_storage(True)
     if prefetch:
         layers = list(model.layers)
         for a, b in zip(layers, layers[1:]):
@@ -176,6 +179,7 @@ MATRIX = {
     "muon": _case(muon=True),
     "compiled_block": _case(compiled=True),
     "custom_all_gather": _case(custom_all_gather=True),
+    "keep_storage": _case(keep_storage=True),
 }
 
 
