@@ -2,15 +2,19 @@
 
 ``StreamChecker`` swaps simulated streams and events into fsdp2's stream layer
 (``fsdp2.runtime.streams._set_backend``), so ``CommStreams`` is active on CPU,
-and records, through a ``TorchDispatchMode``, which storages each op reads and
-writes (from its schema's alias info, as torch's CUDA sanitizer does) on the
-stream it was issued on. Each stream keeps a vector clock; event records copy
+and records, through a ``TorchDispatchMode``, which memory each op reads and
+writes (its storages, from its schema's alias info, as torch's CUDA sanitizer
+does) on the stream it was issued on. Memory is tracked by address range, not
+by storage object: fsdp2's sharded parameters own DLPack storages over their
+group's flat buffer (fsdp2/runtime/shard_storage.py), so storages whose ranges
+overlap share one history; a non-resizable (DLPack) storage going away frees
+nothing. Each stream keeps a vector clock; event records copy
 it, waits merge it, ``Event.synchronize`` merges it into every later op.
 Collectives are modelled as NCCL runs them: the process group's own stream
 waits for the issuing stream, runs the collective's reads and writes, and the
 issuing stream waits for it on return (synchronous) or at ``Work.wait()``.
 
-An access to a storage last written (or, for a write, read) on another stream
+An access to memory last written (or, for a write, read) on another stream
 without a happens-before edge is an error naming both ops and streams. A
 storage freed (dropped, or ``resize_(0)``) is returned to the pool of the
 stream that allocated it, as the caching allocator does; the next allocation

@@ -334,3 +334,28 @@ def test_memory_bounded_as_upstream(launch_cases):
     for peaks in per_rank:
         for prefetch in (False, True):
             assert peaks[prefetch] == {"ag": 1, "rs": 1, "groups": 3}, (prefetch, peaks)
+
+
+def test_checker_tracks_memory_not_storage_objects():
+    """A DLPack alias (a sharded parameter over its flat buffer) shares the buffer's history."""
+    from fsdp2.runtime.shard_storage import own_storage
+
+    for ordered in (False, True):
+        buf = torch.zeros(8)
+        alias = own_storage(buf[2:6])
+        assert alias.untyped_storage()._cdata != buf.untyped_storage()._cdata
+        checker = StreamChecker()
+        with checker:
+            side = checker.new_stream("side")
+            with checker.use(side):
+                buf.add_(1)
+            if ordered:
+                checker.current.wait_stream(side)
+            alias.mul_(2)
+        if ordered:
+            assert checker.errors == []
+        else:
+            assert len(checker.errors) == 1, checker.errors
+            assert "'mul_' on stream 0 (compute) writes memory that 'add_' wrote on stream" in (
+                checker.errors[0]
+            )
