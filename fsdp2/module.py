@@ -552,12 +552,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Let several FSDP roots (e.g. pipeline stages' model chunks) share one communication context.
 
-    Upstream shares its CUDA streams (all-gather, reduce-scatter, all-reduce)
-    and the forward order that drives backward prefetching. fsdp2 runs every
-    collective on the current stream, so there are no streams to share; the
-    forward order is shared, so backward prefetching follows the order the
-    chunks ran in, as upstream. Call it on the chunks' roots; a module's root
-    lazy init otherwise gives it the root's context.
+    The roots then share FSDP's streams (copy-in, all-gather, reduce-scatter,
+    all-reduce; on accelerators only, see "Streams and events" in
+    docs/design.md) with the state that bounds in-flight all-gathers and
+    reductions, and the forward order, so backward prefetching follows the
+    order the chunks ran in, as upstream. Call it on the chunks' roots; a
+    module's root lazy init otherwise gives it the root's context.
     """
     modules = list(modules)
     strangers = [m for m in modules if not isinstance(m, FSDPModule)]

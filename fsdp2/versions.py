@@ -61,6 +61,11 @@ ACCUMULATE_IN_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
 #: reads upstream's private state and fsdp2.pipelining.PipelineStage is the way.
 PIPELINING_USES_PUBLIC_FSDP_API: bool = TORCH_RELEASE >= (2, 15)
 
+#: Upstream's post-backward profiler ranges: ``FSDP::post_backward_accumulate`` around
+#: taking the gradients, then ``FSDP::post_backward_reshard`` (torch < 2.15); one
+#: ``FSDP::post_backward_reshard`` range around both (torch >= 2.15).
+ACCUMULATE_PROFILER_RANGE: bool = TORCH_RELEASE < (2, 15)
+
 #: Public FSDP2 API fsdp2 offers on every torch, by the release whose upstream added it.
 ADDED_IN: dict[str, tuple[int, int]] = {
     "DataParallelMeshDims": (2, 12),

@@ -25,6 +25,7 @@ PRIVATE_SYMBOLS = [
     ("torch._C", "_current_graph_task_id"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
     ("torch", "_chunk_cat"),
+    ("torch.autograd", "_profiler_enabled"),
     ("torch", "_foreach_mul_"),
     ("torch", "_foreach_norm"),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),

@@ -84,6 +84,7 @@ from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup
 from .shared_params import check_shared_params
 from .step_state import IterContext, TrainingState
+from .streams import record_function
 from .tensor_tree import map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -296,8 +297,14 @@ class FSDPState:
                 "Call wait() on the GradientReductionHandle that finalize_backward(async_op=True) "
                 "returned before the next forward"
             )
-        if self.post_optim_event is not None:
-            self._wait_post_optim_event()
+        if self.is_root:
+            with record_function("FSDP::root_pre_forward"):
+                comm = self.root_ctx.iter_ctx.comm
+                if comm.active:  # See [Note: Streams] in streams.py
+                    event, self.post_optim_event = self.post_optim_event, None
+                    comm.before_root_forward(event)
+                elif self.post_optim_event is not None:
+                    self._wait_post_optim_event()
         # See [Note: Groups run in parts]
         starts_use = not self._modules_to_run
         if len(self.modules) > 1 and starts_use:
@@ -373,6 +380,10 @@ class FSDPState:
 
     def _end_backward(self) -> None:
         """After the whole backward: reduce what is left and, after the last one, end the step."""
+        with record_function("FSDP::root_post_backward_callback"):
+            self._root_post_backward()
+
+    def _root_post_backward(self) -> None:
         ctx = self.root_ctx
         manual = bool(ctx.manual_active)
         # Root first, then the order lazy init found the states in (as upstream):
@@ -381,6 +392,7 @@ class FSDPState:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
                 state.param_group.end_backward(defer_reduction=manual)
+        ctx.iter_ctx.comm.after_backward()
         if ctx.is_last_backward and not manual:
             self._end_step()
         ctx.callback_queued = False
@@ -390,6 +402,7 @@ class FSDPState:
         for state in ctx.all_states:
             if state.param_group is not None:
                 state.param_group.end_step()
+        ctx.iter_ctx.comm.after_backward()
         ctx.iter_ctx.post_forward_order.clear()
         ctx.manual_active = None
 

@@ -39,6 +39,7 @@ these copies is a no-op and the code path is the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,7 @@ import torch.nn as nn
 from .._torch_compat import local_tensor, outside_functorch
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE
+from ..versions import ACCUMULATE_IN_GRAD_DTYPE, ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
@@ -59,6 +60,7 @@ from .mixed_precision import GroupDtypes, check_grad_dtypes, check_trainable_dty
 from .param import FSDPParam, ShardedState
 from .reduction import GradientReduction
 from .step_state import IterContext, StepState, TrainingState
+from .streams import record_function
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ class FSDPParamGroup:
     def set_iter_ctx(self, ctx: IterContext) -> None:
         """Record the forward order into ``ctx`` (the root's, or one ``share_comm_ctx`` shares)."""
         self.ctx = ctx
+        ctx.comm.init(self.device)
 
     def set_fqns(self, module_fqns: dict[nn.Module, str]) -> None:
         """Name the group and its parameters by their FQNs under the root (lazy init)."""
@@ -289,8 +292,13 @@ class FSDPParamGroup:
         )
 
     @outside_functorch
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather the group's parameters; no-op if unsharded or in flight."""
+    def unshard(self, async_op: bool = False, on_comm_streams: bool = False) -> None:
+        """All-gather the group's parameters; no-op if unsharded or in flight.
+
+        ``on_comm_streams``: the hooks' all-gathers, which run on FSDP's
+        streams where there are any (see [Note: Streams] in streams.py); the
+        user's ``unshard`` runs on the current stream, as upstream.
+        """
         step = self.step
         if step.is_unsharded or step.pending_unshard is not None or step.pending_staged:
             return
@@ -304,7 +312,7 @@ class FSDPParamGroup:
             or (effective(self.settings.all_gather_comm) is not None and not self.alone)
             or ((layout.mixed or gather.partly_cast) and gather.copy_in and step.post_forward_flat is None)
         ):  # mixed dtypes cast per parameter: see [Note: Mixed-dtype groups]
-            self._unshard_staged(async_op)
+            self._unshard_staged(async_op, on_comm_streams)
             return
         if self.alone and not gather.copy_in:
             # the shards are the parameters: nothing to gather
@@ -317,26 +325,52 @@ class FSDPParamGroup:
             dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
         else:
             dtype, shard_numel = self.dtypes.param or layout.dtype, layout.numel
-        output = collectives.all_gather_output(
-            self.fsdp_params, shard_numel, world_size, dtype, self.device
-        )
-        if step.post_forward_flat is not None:
-            # kept (and freed) until wait_for_unshard: the collective reads it
-            ag_input = step.post_forward_flat
-            group = self.post_forward_mesh_info.process_group
-        else:
-            ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group
-            if gather.copy_in:  # See [Note: Copies around the collectives]
-                ag_input = collectives.copy_in(
-                    output, ag_input, self.mesh_info.shard_mesh_rank, self._flat.pin_memory
+        comm = self.ctx.comm
+        streams = comm.active and on_comm_streams
+        if streams:  # the stream's own wait orders the collective: see [Note: Streams]
+            comm.release_all_gather()
+            async_op = False
+            # the kept post-forward shard was written ('cat') on the compute stream
+            comm.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
+        step.post_forward_event = None
+        with record_function("FSDP::all_gather", self.module_fqn):
+            if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
+                output = collectives.all_gather_output(
+                    self.fsdp_params, shard_numel, world_size, dtype, self.device
                 )
-        work = collectives.all_gather(output, ag_input, group, async_op)
+            with comm.use(comm.copy_in if streams else None):
+                if len(self.fsdp_params) != 1:
+                    output = collectives.all_gather_output(
+                        self.fsdp_params, shard_numel, world_size, dtype, self.device
+                    )
+                if step.post_forward_flat is not None:
+                    # kept (and freed) until wait_for_unshard: the collective reads it
+                    ag_input = step.post_forward_flat
+                    group = self.post_forward_mesh_info.process_group
+                else:
+                    ag_input, group = self._flat.buffer, self.mesh_info.shard_process_group
+                    if gather.copy_in:  # See [Note: Copies around the collectives]
+                        ag_input = collectives.copy_in(
+                            output, ag_input, self.mesh_info.shard_mesh_rank, self._flat.pin_memory
+                        )
+            if streams:
+                comm.wait_stream(None, comm.all_gather, comm.copy_in)
+            with comm.use(comm.all_gather if streams else None):
+                work = collectives.all_gather(output, ag_input, group, async_op)
+            step.unshard_event = comm.record(comm.all_gather) if streams else None
         step.pending_unshard = (work, output, ag_input)
-        if not async_op:
+        if not async_op and not streams:
             self.wait_for_unshard()
 
-    def _unshard_staged(self, async_op: bool) -> None:
+    def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
+        comm = self.ctx.comm
+        if comm.active and on_comm_streams:  # copy-in and collective on the copy-in stream
+            comm.release_all_gather()
+            with comm.use(comm.copy_in):
+                self._unshard_staged(True, on_comm_streams=False)
+                self.step.unshard_event = comm.record(comm.copy_in)
+            return
         inputs = []
         for i, p in enumerate(self.fsdp_params):
             if p.extension is None:  # in the unsharded dtype and on the device, as upstream
@@ -370,6 +404,9 @@ class FSDPParamGroup:
         staged, self.step.pending_staged = self.step.pending_staged, None
         if staged.work is not None:
             staged.work.wait()
+        event, self.step.unshard_event = self.step.unshard_event, None
+        comm = self.ctx.comm
+        comm.wait_event("all_gather->copy_out", comm.current() if event else None, event)
         staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             if p.extension is not None:
@@ -377,6 +414,8 @@ class FSDPParamGroup:
             else:
                 p.finish_copy_out()
             p.to_unsharded()
+        if event is not None:  # held until the next all-gather, after this copy-out
+            comm.all_gather_state = (staged, comm.record())
         self.step.is_unsharded = True
 
     @outside_functorch
@@ -388,27 +427,39 @@ class FSDPParamGroup:
             return
         if step.pending_unshard is None:
             return
-        work, output, _ = step.pending_unshard
+        work, output, ag_input = step.pending_unshard
         step.pending_unshard = None
         if work is not None:
             work.wait()
+        event, step.unshard_event = step.unshard_event, None
+        if event is not None:  # issued on FSDP's streams
+            comm = self.ctx.comm
+            comm.wait_event("all_gather->copy_out", comm.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
-        collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
+        with record_function("FSDP::all_gather_copy_out", self.module_fqn):
+            collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
+        if event is not None:  # dropped by the next all-gather, after this copy-out
+            comm.all_gather_state = ((output, ag_input), comm.record())
         step.is_unsharded = True
 
     @outside_functorch
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         step = self.step
-        step.post_forward_flat = None
+        step.post_forward_flat = step.post_forward_event = None
         if step.pending_staged is not None:
             staged, step.pending_staged = step.pending_staged, None
             if staged.work is not None:
                 staged.work.wait()
+        event, step.unshard_event = step.unshard_event, None
+        if event is not None:  # a prefetch never consumed: let it land before dropping it
+            comm = self.ctx.comm
+            comm.wait_event(None, comm.current(), event)
+            comm.wait_event(None, comm.copy_in, event)
         if step.pending_unshard is not None:
             work, _, _ = step.pending_unshard
             step.pending_unshard = None
@@ -441,6 +492,7 @@ class FSDPParamGroup:
         kept = torch.cat(blocks, dim=1)
         self.reshard()
         self.step.post_forward_flat = kept.view(-1)
+        self.step.post_forward_event = self.ctx.comm.record()
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 
@@ -449,11 +501,16 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         logger.debug("pre_forward %s", self.module_fqn)
         self.step.training_state = TrainingState.FORWARD
-        self.unshard()
-        self.wait_for_unshard()
+        with record_function("FSDP::pre_forward", self.module_fqn):
+            self.unshard(on_comm_streams=True)
+            self.wait_for_unshard()
 
     def post_forward(self) -> None:
         logger.debug("post_forward %s", self.module_fqn)
+        with record_function("FSDP::post_forward", self.module_fqn):
+            self._post_forward()
+
+    def _post_forward(self) -> None:
         grad_enabled = torch.is_grad_enabled()
         reshard = self.settings.reshard_after_forward
         # Without autograd no backward will need the parameters: always free.
@@ -474,8 +531,9 @@ class FSDPParamGroup:
         logger.debug("pre_backward %s", self.module_fqn)
         self.step.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
-            self.unshard()
-            self.wait_for_unshard()
+            with record_function("FSDP::pre_backward", self.module_fqn):
+                self.unshard(on_comm_streams=True)
+                self.wait_for_unshard()
         self.reduction.set_grad_dtypes(defer=True)
         if default_prefetch:
             self._prefetch_previous()
@@ -485,7 +543,9 @@ class FSDPParamGroup:
         """Start this group's all-gather early; its pre-forward/pre-backward waits for it."""
         if in_backward and not self.settings.unshard_in_backward:
             return
-        self.unshard(async_op=True)
+        name = "FSDP::backward_prefetch" if in_backward else "FSDP::forward_prefetch"
+        with record_function(name, self.module_fqn):
+            self.unshard(async_op=True, on_comm_streams=True)
 
     def _prefetch_previous(self) -> None:
         # Backward runs groups in reverse forward order: start the all-gather
@@ -525,24 +585,30 @@ class FSDPParamGroup:
         ran = self._take_use(use)
         self.step.training_state = TrainingState.POST_BACKWARD
         reduce_grads = self.reduction.settings.reduce_grads
+        fqn = self.module_fqn
         # Held gradients wait for a reducing post-backward (see end_backward); see
         # [Note: Gradient accumulation without sync] in reduction.py.
         self.step.post_backward_pending = not reduce_grads
-        if not reduce_grads:
-            self.reduction.hold_unsharded_grads()
+        split, nothing = ACCUMULATE_PROFILER_RANGE, contextlib.nullcontext()  # upstream's ranges
+        with nothing if split else record_function("FSDP::post_backward_reshard", fqn):
+            with record_function("FSDP::post_backward_accumulate", fqn) if split else nothing:
+                if not reduce_grads:
+                    self.reduction.hold_unsharded_grads()
+                else:  # only these lists hold the gradients: the reduce-scatter frees each
+                    with_grad, grads, filled = self.reduction.take_grads(ran)
             if self.settings.reshard_after_backward:
-                self.reshard()
+                with record_function("FSDP::post_backward_reshard", fqn) if split else nothing:
+                    self.reshard()
+        if not reduce_grads:
             return
-        # Only these lists hold the gradients: the reduce-scatter frees each once copied in.
-        with_grad, grads, filled = self.reduction.take_grads(ran)
-        if self.settings.reshard_after_backward:
-            self.reshard()
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
-            self.reduction.reduce_scatter(
-                with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
-            )
+            with record_function("FSDP::post_backward_reduce", self.module_fqn):
+                self.reduction.reduce_scatter(
+                    with_grad, grads, filled, self.sharded_flat.device, self.module_fqn,
+                    self.ctx.comm,
+                )
 
     def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:
         """The modules whose parameters a post-backward may fill (``None``: all)."""

@@ -107,6 +107,7 @@ from .mixed_precision import GroupDtypes
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 from .staged_collectives import ReduceScatter
+from .streams import _SKIPPED_EDGES, CommStreams
 
 
 class GradientReduction:
@@ -139,6 +140,7 @@ class GradientReduction:
         # HSDP with the all-reduce off: shard-reduced gradients waiting for it.
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
         self._grad_offload_event: torch.Event | None = None
+        self._comm = CommStreams()  # inactive until a reduction hands the root's in
 
     # ---- settings ----------------------------------------------------------------
 
@@ -268,8 +270,13 @@ class GradientReduction:
         filled: set[FSDPParam],
         shard_device: torch.device,
         module_fqn: str,
+        comm: CommStreams | None = None,
     ) -> None:
         """Reduce ``grads`` onto ``fsdp_params``' sharded gradients.
+
+        ``comm``: the root's streams; where active (accelerators) the whole
+        reduction runs on the reduce-scatter stream (see [Note: Streams] in
+        streams.py), and ``grads`` are held until the next reduction.
 
         ``grads`` is emptied once copied in, so the gradients are freed early.
         ``filled``: the parameters whose gradient this rank filled with
@@ -277,7 +284,6 @@ class GradientReduction:
         ``shard_device``: where the sharded parameters are (CPU offload);
         ``module_fqn``: the group's name, for errors.
         """
-        world_size = self.mesh_info.shard_mesh_size
         hsdp = self.mesh_info.is_hsdp
         settings = self.settings
         if (
@@ -298,6 +304,30 @@ class GradientReduction:
             # one dtype for chunk_cat, which itself converts them to the reduce dtype
             grads[:] = [g.to(reduce_dtype) for g in grads]
         plan = self._plan_for(reduce_dtype)  # see [Note: Gradient divide factors]
+        if comm is None or not comm.active:
+            self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
+            return
+        self._comm = comm
+        comm.release_reduce_scatter(module_fqn)  # one reduction in flight: bounds its buffers
+        comm.wait_stream("compute->reduce_scatter", comm.reduce_scatter, comm.current())
+        held = list(grads)  # read on the reduce-scatter stream: freed after its event
+        with comm.use(comm.reduce_scatter):
+            self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
+        comm.reduce_scatter_state = (held, comm.record(comm.reduce_scatter))
+        comm.reduce_scatter_offload = self.offload
+
+    def _reduce(
+        self,
+        fsdp_params: list[FSDPParam],
+        grads: list[torch.Tensor],
+        filled: set[FSDPParam],
+        shard_device: torch.device,
+        plan: ReducePlan,
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        world_size = self.mesh_info.shard_mesh_size
+        hsdp = self.mesh_info.is_hsdp
+        group_dtypes = self._dtypes()
         # One rank: SUM and AVG are the identity, so the collective can be skipped
         # (see [Note: Forcing collectives on one rank]).
         identity = self.alone and plan.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
@@ -374,7 +404,15 @@ class GradientReduction:
             partial = self._partial_grads.pop(p, None)
             if partial is not None:
                 block.add_(partial)
-        collectives.all_reduce(output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG)
+        comm = self._comm
+        if comm.active:  # HSDP's all-reduce on its own stream, after the reduce-scatter
+            comm.wait_stream(None, comm.all_reduce, comm.reduce_scatter)
+        with comm.use(comm.all_reduce if comm.active else None):
+            collectives.all_reduce(
+                output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG
+            )
+        if comm.active:  # the views and casts after it run on the reduce-scatter stream
+            comm.wait_stream(None, comm.reduce_scatter, comm.all_reduce)
         return True
 
     @property
@@ -400,19 +438,25 @@ class GradientReduction:
             and all(p.sharded_param.grad is None for p in fsdp_params)
         )
         result = reduced.to(device=device, dtype=orig_dtype, non_blocking=non_blocking)
-        if non_blocking:
+        if self._comm.active and self.offload:
+            self._grad_offload_event = self._comm.record()
+        elif non_blocking:
             self._grad_offload_event = torch.Event(device=reduced.device)
             self._grad_offload_event.record()
         return result
 
     def wait_for_grad_offload(self) -> None:
         """Block until asynchronous device-to-host gradient copies have landed."""
-        if self._grad_offload_event is not None:
-            self._grad_offload_event.synchronize()
-            self._grad_offload_event = None
+        event, self._grad_offload_event = self._grad_offload_event, None
+        if event is not None and "offload->optimizer" not in _SKIPPED_EDGES:
+            event.synchronize()
 
     def _call_all_reduce_hook(self, output: torch.Tensor) -> None:
         hook, stream = self.settings.all_reduce_hook, self.settings.all_reduce_hook_stream
+        if self._comm.active:
+            with self._comm.hook_stream(stream):
+                hook(output)
+            return
         if stream is None or self.device.type == "cpu":
             hook(output)  # CPU has a single stream: nothing to order
             return

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .staged_collectives import StagedAllGather
+from .streams import CommStreams
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -35,6 +36,8 @@ class IterContext:
 
     def __init__(self) -> None:
         self.post_forward_order: list[FSDPParamGroup] = []
+        # FSDP's streams (none on CPU); shared with the order by share_comm_ctx
+        self.comm = CommStreams()
 
 
 @dataclass(eq=False)
@@ -47,9 +50,12 @@ class StepState:
     # (work, all-gather output, input kept alive until the work is done)
     pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
     pending_staged: StagedAllGather | None = None
+    # Recorded after an all-gather issued on FSDP's streams; see [Note: Streams] in streams.py
+    unshard_event: object | None = None
     # This rank's share over the post-forward group; see [Note: Resharding to a
     # smaller group after forward] in param_group.py.
     post_forward_flat: torch.Tensor | None = None
+    post_forward_event: object | None = None  # recorded after it was written (FSDP's streams)
     # Where each use of this iteration sits in IterContext.post_forward_order,
     # popped by backward prefetching.
     post_forward_indices: list[int] = field(default_factory=list)

@@ -1,0 +1,361 @@
+"""FSDP's streams proven race-free on CPU with the stream-order checker (tests/stream_checker.py).
+
+Each planted missing wait must be caught; the training matrix must run with no
+race and match the unsharded reference. See [Note: Streams] in
+fsdp2/runtime/streams.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from checks import assert_grads_match, check_case
+from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
+from stream_checker import StreamChecker, skipped
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
+from fsdp2.runtime import streams
+from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
+
+STEPS = 3
+
+
+def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
+           post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
+           checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
+           keep_storage=False, **kwargs):
+    """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
+    ref, model = make_pair(build_chain)
+    if compiled:  # one block compiled, as tests/test_compile.py does
+        model.layers[1].compile(backend="aot_eager")
+    shard_chain(model, fully_shard, mesh=mesh, **kwargs)
+    if checkpointed:  # every block recomputed in backward (its all-gather again)
+        layers, head = list(model.layers), model.head
+
+        def forward(x):
+            for layer in layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return head(x)
+
+        model.forward = forward
+    if custom_all_gather:  # the staged all-gather path (a user comm with its own buffers)
+        for m in [*model.layers, model]:
+            m.set_custom_all_gather(_AllGather())
+    if finalize_async:
+        model.set_manual_backward_finalization(True)
+    if keep_storage:  # every unshard writes the memory the last step's compute read
+        model.set_keep_unsharded_storage(True)
+    if prefetch:
+        layers = list(model.layers)
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if muon:  # fsdp2.Muon on the matrices (its own collectives), SGD on the rest
+        ref_opts = [torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], lr=0.02),
+                    torch.optim.SGD([p for p in ref.parameters() if p.ndim != 2], lr=0.1)]
+        opts = [Muon([(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.02),
+                torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.1)]
+    else:
+        ref_opts, opts = [ref_opt], [opt]
+    if compiled:  # compile outside the checker; under it the compiled block runs
+        mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+        model.zero_grad()
+    checker = StreamChecker()
+    seen = []
+    with checker, skipped(edge) if edge else contextlib.nullcontext():
+        if hook_stream:
+            # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
+            stream = None if mesh is not None else checker.new_stream("hook")
+            model.set_all_reduce_hook(lambda t: seen.append(t.sum()), stream=stream)
+        for step in range(STEPS):
+            batch = chain_batch(step, 8)
+            micro = 2 if accumulate else 1
+            for m in range(micro):
+                if accumulate:
+                    model.set_requires_gradient_sync(m == micro - 1)
+                half = [t.chunk(micro)[m] for t in batch]
+                ref_loss = mlp_loss(ref, half) * (1 / micro)
+                ref_loss.backward()
+                loss = mlp_loss(model, rank_slice(half, rank, world_size)) * (1 / micro)
+                loss.backward()
+            if finalize_async:
+                model.finalize_backward(async_op=True).wait()
+            if check_ref and not edge:
+                assert_grads_match(ref, model, 1e-5, 1e-6)
+            for o in ref_opts + opts:
+                o.step()
+                o.zero_grad()
+            if post_optim_event:
+                event = checker.new_event()
+                event.record()
+                model.set_post_optim_event(event)
+    if hook_stream and not edge:
+        assert len(seen) > 0
+    if check_ref and not edge:  # the parameters after the last step too
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    return checker.errors
+
+
+class _AllGather:
+    """A custom all-gather: its own output buffers, the collective through torch.distributed."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+def _planted(rank, world_size):
+    out = {}
+    for edge in CAUGHT:
+        kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
+        errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
+                        **kwargs)
+        out[edge] = errors[:2]
+    out["none"] = _train(rank, world_size)
+    return out
+
+
+def test_each_planted_missing_wait_is_caught(launch_cases):
+    ok, per_rank = launch_cases.run(_planted, 2)
+    assert ok, per_rank
+    for rank, result in enumerate(per_rank):
+        assert result["none"] == [], f"rank {rank}: a race with every wait in place: {result['none']}"
+        for edge in CAUGHT:
+            errors = result[edge]
+            assert errors, f"rank {rank}: skipping the wait '{edge}' went unnoticed"
+            assert SIGNATURE[edge] in errors[0], (edge, errors[0])
+
+
+# The race each skipped wait leaves, as the checker names it (first error).
+SIGNATURE = {
+    "all_gather->copy_out": "on stream 0 (compute) reads memory that 'all_gather_single' wrote",
+    "copy_out->compute": "is reused by stream 1 (copy_in) while 'all_gather_single'",
+    "compute->reduce_scatter": "'_chunk_cat' on stream 3 (reduce_scatter) reads memory",
+    "reduce_scatter->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
+    "offload->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
+    "post_optim->all_gather": "'all_gather_single' on stream 5 (process group 0) reads memory",
+}
+
+
+# At W=2; the post-forward shard's edge needs a smaller post-forward group (W=4 below).
+CAUGHT = [e for e in streams.EDGES if e != "post_forward_shard->all_gather"]
+
+
+def _case(**kwargs):
+    def case(rank, world_size):
+        errors = _train(rank, world_size, **kwargs)
+        assert errors == [], "\n".join(errors[:5])
+    return case
+
+
+def _hsdp(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    errors = _train(rank, world_size, mesh=mesh, hook_stream=True)
+    assert errors == [], "\n".join(errors[:5])
+
+
+MATRIX = {
+    "default": _case(),
+    "no_reshard": _case(reshard_after_forward=False),
+    "explicit_prefetch": _case(prefetch=True, post_optim_event=True),
+    "mixed_precision": _case(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64)),
+    "offload": _case(offload_policy=CPUOffloadPolicy()),
+    "accumulate": _case(accumulate=True),
+    "hook_on_stream": _case(hook_stream=True),
+    "finalize_async": _case(finalize_async=True),
+    "checkpointed": _case(checkpointed=True),
+    "muon": _case(muon=True),
+    "compiled_block": _case(compiled=True),
+    "custom_all_gather": _case(custom_all_gather=True),
+    "keep_storage": _case(keep_storage=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_matrix_w2(launch_cases, name):
+    check_case(launch_cases(2, MATRIX), name)
+
+
+def _reshard_int(rank, world_size):
+    errors = _train(rank, world_size, reshard_after_forward=2)
+    assert errors == [], "\n".join(errors[:5])
+    planted = _train(rank, world_size, "post_forward_shard->all_gather", reshard_after_forward=2)
+    assert planted and "'cat' wrote on stream 0 (compute)" in planted[0], planted[:2]
+
+
+def _pipeline(rank, world_size):
+    """1F1B over (pp=2, dp=2) with fsdp2's PipelineStage: no race, same losses and parameters."""
+    from test_pipelining import _train_pipeline
+
+    import fsdp2.pipelining
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    run = lambda: _train_pipeline("1F1B", fully_shard, fsdp2.pipelining.PipelineStage, mesh)  # noqa: E731
+    _, want_losses, want_params, _ = run()
+    checker = StreamChecker()
+    with checker:
+        _, losses, params, _ = run()
+    assert checker.errors == [], "\n".join(checker.errors[:5])
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
+    torch.testing.assert_close(params, want_params, rtol=0, atol=0)
+
+
+MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX_W4))
+def test_matrix_w4(launch_cases, name):
+    check_case(launch_cases(4, MATRIX_W4), name)
+
+
+def _forced(rank, world_size):
+    os.environ["FSDP2_FORCE_COLLECTIVES"] = "1"
+    return {"default": _train(rank, world_size)}
+
+
+def test_one_rank_forced_collectives(launch_cases):
+    ok, per_rank = launch_cases.run(_forced, 1)
+    assert ok, per_rank
+    assert per_rank[0]["default"] == []
+
+
+def _profile(rank, world_size):
+    """The ``FSDP::`` ranges of one training step in a CPU profile, ours and upstream's."""
+    import torch.distributed.fsdp as upstream
+
+    out = {}
+    for name, shard in (("ours", fully_shard), ("upstream", upstream.fully_shard)):
+        _, model = make_pair(build_chain)
+        shard_chain(model, shard)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+        out[name] = sorted({e.key for e in prof.key_averages() if e.key.startswith("FSDP::")})
+    return out
+
+
+# The ranges fsdp2 opens, by upstream's names (with the group's FQN, as upstream).
+RANGES = (
+    "FSDP::root_pre_forward", "FSDP::root_post_backward_callback", "FSDP::all_gather",
+    "FSDP::all_gather_copy_out", "FSDP::pre_forward", "FSDP::post_forward",
+    "FSDP::pre_backward", "FSDP::post_backward_reshard", "FSDP::post_backward_reduce",
+    "FSDP::backward_prefetch",
+) + (("FSDP::post_backward_accumulate",) if ACCUMULATE_PROFILER_RANGE else ())
+
+
+def test_profiler_ranges_have_upstreams_names(launch_cases):
+    ok, per_rank = launch_cases.run(_profile, 2)
+    assert ok, per_rank
+    ours, theirs = per_rank[0]["ours"], per_rank[0]["upstream"]
+    base = lambda k: k.split(" (")[0].split(" for ")[0]  # noqa: E731
+    mine = {k for k in theirs if base(k) in RANGES}
+    assert {base(k) for k in ours} == set(RANGES), ours
+    assert set(ours) == mine, (sorted(set(ours) ^ mine), ours, theirs)
+
+
+def test_cpu_has_no_streams():
+    comm = streams.CommStreams()
+    comm.init(torch.device("cpu"))
+    assert not comm.active and comm.copy_in is None
+
+
+def _bounded(rank, world_size):
+    """Peaks while the CPU runs ahead (nothing blocks in checker mode), per prefetch mode.
+
+    Counted from what fsdp2 holds at each allocation (the new buffer included):
+    the backend may keep a finished collective's tensors a little longer (gloo's
+    worker thread), which no stream ordering of ours governs.
+    """
+    return {prefetch: _peaks(rank, world_size, prefetch) for prefetch in (False, True)}
+
+
+def _peaks(rank, world_size, prefetch):
+    from fsdp2.runtime import collectives
+
+    peak = {"ag": 0, "rs": 0, "groups": 0}
+    originals = collectives.all_gather_output, collectives.reduce_scatter_input
+
+    def tracked(kind, fn):
+        def wrapper(*args, **kwargs):
+            comm = groups[0].ctx.comm
+            if kind == "ag":
+                in_flight = [g for g in groups if g.step.pending_unshard is not None
+                             or g.step.pending_staged is not None]
+                alive = 1 + len(in_flight) + (comm.all_gather_state is not None)
+                busy = [g for g in groups if g.step.is_unsharded or g in in_flight]
+                peak["groups"] = max(peak["groups"], len(busy) + 1)
+            else:
+                alive = 1 + (comm.reduce_scatter_state is not None)
+            peak[kind] = max(peak[kind], alive)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    ref, model = make_pair(build_chain)
+    shard_chain(model, fully_shard)
+    groups = [m._fsdp_state().param_group for m in [*model.layers, model]]
+    if prefetch:
+        layers = list(model.layers)
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    collectives.all_gather_output = tracked("ag", originals[0])
+    collectives.reduce_scatter_input = tracked("rs", originals[1])
+    checker = StreamChecker()
+    try:
+        with checker:
+            for step in range(2):
+                mlp_loss(model, rank_slice(chain_batch(step, 8), rank, world_size)).backward()
+    finally:
+        collectives.all_gather_output, collectives.reduce_scatter_input = originals
+    assert checker.errors == [], checker.errors[:3]
+    assert groups[0].ctx.comm.active
+    return peak
+
+
+def test_memory_bounded_as_upstream(launch_cases):
+    """Upstream's bound: the previous all-gather output is released (after the copy-in
+    stream waited for its copy-out) before the next is allocated, so one output is
+    alive at a time; one reduce-scatter input (``reduce_scatter_max_input_buffers``
+    = 1); and at an all-gather's issue at most the root, the group being consumed
+    and the one in flight hold unsharded parameters (the Chain's root holds its head)."""
+    ok, per_rank = launch_cases.run(_bounded, 2)
+    assert ok, per_rank
+    for peaks in per_rank:
+        for prefetch in (False, True):
+            assert peaks[prefetch] == {"ag": 1, "rs": 1, "groups": 3}, (prefetch, peaks)
+
+
+def test_checker_tracks_memory_not_storage_objects():
+    """A DLPack alias (a sharded parameter over its flat buffer) shares the buffer's history."""
+    from fsdp2.runtime.shard_storage import own_storage
+
+    for ordered in (False, True):
+        buf = torch.zeros(8)
+        alias = own_storage(buf[2:6])
+        assert alias.untyped_storage()._cdata != buf.untyped_storage()._cdata
+        checker = StreamChecker()
+        with checker:
+            side = checker.new_stream("side")
+            with checker.use(side):
+                buf.add_(1)
+            if ordered:
+                checker.current.wait_stream(side)
+            alias.mul_(2)
+        if ordered:
+            assert checker.errors == []
+        else:
+            assert len(checker.errors) == 1, checker.errors
+            assert "'mul_' on stream 0 (compute) writes memory that 'add_' wrote on stream" in (
+                checker.errors[0]
+            )
