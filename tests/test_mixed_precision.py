@@ -43,7 +43,7 @@ from models import (
 )
 from torch.distributed.tensor import DTensor
 
-from fsdp2.versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
+from fsdp2.versions import ACCUMULATE_IN_GRAD_DTYPE, REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 
 BF16, FP32 = torch.bfloat16, torch.float32
 STEPS = 3
@@ -114,6 +114,10 @@ class HandCastReference:
         with torch.no_grad():
             for name, p in self.compute.named_parameters():
                 p.data = masters[name].detach().to(self.policy_of[name].get("param_dtype") or FP32)
+                if ACCUMULATE_IN_GRAD_DTYPE and p.dtype != self._reduce_dtype(name):
+                    # torch >= 2.15's FSDP takes the gradient a reducing backward produces
+                    # as it comes (an fp32 norm-weight gradient is not rounded to bf16)
+                    p.grad_dtype = None
         per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in masters}
         losses = []
         for r in range(world_size):
@@ -124,16 +128,19 @@ class HandCastReference:
             for name, p in self.compute.named_parameters():
                 per_rank[name].append(p.grad)
         for name, grads in per_rank.items():
-            policy = self.policy_of[name]
-            # reduce_dtype=None: param_dtype before torch 2.15, the parameter's fp32 after
-            default = FP32 if REDUCE_IN_PARAM_DTYPE_BY_DEFAULT else policy.get("param_dtype")
-            reduce_dtype = policy.get("reduce_dtype") or default or FP32
+            reduce_dtype = self._reduce_dtype(name)
             total = grads[0].to(reduce_dtype)
             for g in grads[1:]:
                 total = total + g.to(reduce_dtype)
             masters[name].grad = (total / world_size).to(FP32)
             self.exact_means[name] = torch.stack([g.double() for g in grads]).mean(0)
         return losses
+
+    def _reduce_dtype(self, name: str) -> torch.dtype:
+        policy = self.policy_of[name]
+        # reduce_dtype=None: param_dtype before torch 2.15, the parameter's fp32 after
+        default = FP32 if REDUCE_IN_PARAM_DTYPE_BY_DEFAULT else policy.get("param_dtype")
+        return policy.get("reduce_dtype") or default or FP32
 
     def optim_step(self) -> None:
         self.opt.step()
@@ -246,11 +253,14 @@ def _check_parity_and_reduce_precision(rank, world_size, metrics):
     bf16_reduced, exact_mean = _train_against_reference(
         rank, world_size, _transformer_policies(BF16), metrics, "bf16 reduce"
     )
-    fp32_reduced, _ = _train_against_reference(
+    fp32_reduced, fp32_exact_mean = _train_against_reference(
         rank, world_size, _transformer_policies(FP32), metrics, "fp32 reduce"
     )
-    # The reduction alone: distance to the exact mean of the same per-rank bf16 grads.
-    r_bf16, r_fp32 = _rel_dist(bf16_reduced, exact_mean), _rel_dist(fp32_reduced, exact_mean)
+    # The reduction alone: distance to the exact mean of the same per-rank grads (the
+    # same bf16 grads before torch 2.15; from 2.15 an fp32-reduced group keeps a
+    # gradient autograd made in fp32, e.g. nn.RMSNorm's weight's, as it comes).
+    r_bf16 = _rel_dist(bf16_reduced, exact_mean)
+    r_fp32 = _rel_dist(fp32_reduced, fp32_exact_mean)
     # The whole recipe: distance to the gradients of the plain fp32 model.
     fp32_model = _fp32_grads(world_size)
     d_bf16, d_fp32 = _rel_dist(bf16_reduced, fp32_model), _rel_dist(fp32_reduced, fp32_model)
