@@ -288,7 +288,7 @@ def build_rows(raw: dict) -> list[dict]:
     ):
         try:
             rows += make(raw)
-        except (KeyError, TypeError, ValueError) as exc:  # a failed stage: skip its rows
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a failed stage: skip its rows
             rows.append(row(f"{make.__name__[1:]} unavailable: {exc!r:.60}", None, None))
     return rows
 
