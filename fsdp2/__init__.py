@@ -5,6 +5,8 @@ keep the rest of the training script.
 """
 
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
+from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
 from .checkpoint.state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 from .errors import FSDPAssertionError, FSDPNotImplementedError
@@ -31,6 +33,9 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     # fsdp2's own tools
+    "CheckpointDamagedError",
+    "CheckpointError",
+    "CheckpointLockedError",
     "FSDPAssertionError",
     "FSDPNotImplementedError",
     "IncompatibleKeys",
@@ -47,5 +52,6 @@ __all__ = [
     "set_full_state_dict",
     "shard_model",
     "summon_full_params",
+    "verify_checkpoint",
 ]
 __version__ = "0.2.0"
