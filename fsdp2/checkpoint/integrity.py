@@ -28,6 +28,7 @@ import os
 import re
 import zlib
 from pathlib import Path
+from typing import Any
 
 from .errors import CheckpointDamagedError
 
@@ -38,6 +39,7 @@ METADATA = ".metadata"  # DCP's metadata file, written last
 _FORMAT = "fsdp2-checksums"
 _CHUNK = 8 << 20
 _WRITER = re.compile(r"^__(\d+)_")  # DCP's data files: __RANK_N.distcp
+_STEP = re.compile(r"^step-(\d+)$")
 
 
 def checksum(path: Path) -> tuple[int, int]:
@@ -128,27 +130,59 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
     return found
 
 
+def short_files(path: Path, metadata: Any) -> list[str]:
+    """Files DCP's metadata points into that are missing or too short (checked with or without
+    checksums: checkpoints written before them too)."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            end = int(info.offset) + int(info.length)
+            needed[name] = max(needed.get(name, 0), end)
+    found = []
+    for name, end in sorted(needed.items()):
+        try:
+            size = os.stat(path / name).st_size
+        except FileNotFoundError:
+            found.append(f"{name}: missing")
+            continue
+        if size < end:
+            found.append(f"{name}: {size} bytes, DCP's metadata needs {end} (truncated)")
+    return found
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, list[str]]:
     """Check a checkpoint folder, or every ``step-N`` under a root, without a process group.
 
     Returns ``{folder: [problems]}`` for each folder checked (an empty list:
     intact). Every file's size and CRC-32 are compared with the manifest
     the save recorded; a folder written before fsdp2 recorded checksums is
-    checked for its metadata only. Also ``python -m fsdp2.checkpoint.verify PATH``.
+    checked against its metadata only (files missing or too short). Also ``python -m fsdp2.checkpoint.verify PATH``.
 
     Example::
 
         report = fsdp2.verify_checkpoint("ckpt/step-800")
         assert not any(report.values()), report
     """
-    from .step_dirs import complete_steps, step_dir
-
     folder = Path(path)
-    steps = [] if (folder / METADATA).exists() or (folder / MANIFEST).exists() else (
-        complete_steps(folder)
-    )
-    folders = [step_dir(folder, s) for s in steps] if steps else [folder]
-    return {str(f): problems(f) for f in folders}
+    steps = []
+    if folder.is_dir() and not ((folder / METADATA).exists() or (folder / MANIFEST).exists()):
+        # a root: every step-N folder, complete or not (load_latest skips incomplete ones)
+        steps = sorted((int(m.group(1)), name) for name in os.listdir(folder)
+                       if (m := _STEP.match(name)) and (folder / name).is_dir())
+    folders = [folder / name for _, name in steps] if steps else [folder]
+    return {str(f): problems(f) or _metadata_problems(f) for f in folders}
+
+
+def _metadata_problems(folder: Path) -> list[str]:
+    """DCP's metadata unreadable, or pointing past the end of a file."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - reported
+        return [f"{METADATA}: unreadable ({type(exc).__name__}: {exc})"]
+    return short_files(folder, metadata)
 
 
 def describe(found: dict[int, list[str]]) -> str:

@@ -348,7 +348,7 @@ def _checked_metadata(path: Path, verify: bool) -> Any:
             found.append(f"{integrity.METADATA}: unreadable ({type(exc).__name__}: {exc})")
         else:
             metadata = full.state_dict_metadata
-            found += _short_files(path, full)
+            found += integrity.short_files(path, full)
     everyone = dict(enumerate(_gather(found, None)))
     if any(everyone.values()):
         raise CheckpointDamagedError(
@@ -357,27 +357,6 @@ def _checked_metadata(path: Path, verify: bool) -> Any:
             + integrity.describe({r: p for r, p in everyone.items() if p})
         )
     return metadata
-
-
-def _short_files(path: Path, metadata: Any) -> list[str]:
-    """Files DCP's metadata points into that are missing or too short (checked with or without
-    checksums: checkpoints written before them too)."""
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        name = getattr(info, "relative_path", None)
-        if isinstance(name, str):
-            end = int(info.offset) + int(info.length)
-            needed[name] = max(needed.get(name, 0), end)
-    found = []
-    for name, end in sorted(needed.items()):
-        try:
-            size = os.stat(path / name).st_size
-        except FileNotFoundError:
-            found.append(f"{name}: missing")
-            continue
-        if size < end:
-            found.append(f"{name}: {size} bytes, DCP's metadata needs {end} (truncated)")
-    return found
 
 
 def _rank(group: Any) -> int:
