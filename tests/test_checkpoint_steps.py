@@ -29,9 +29,10 @@ from models import (
     transformer_loss,
 )
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp2 import load_checkpoint, load_latest, save_checkpoint
+from fsdp2 import CheckpointError, load_checkpoint, load_latest, save_checkpoint
 from fsdp2.checkpoint.claim import CLAIM
 
 _BATCH = 8  # divides over 1, 2 and 4 ranks
@@ -263,11 +264,12 @@ def _errors_body(rank, world_size, root, blocked):
     FileSystemWriter.write_data = disk_full
     try:
         for async_save in (False, True):
-            with pytest.raises(RuntimeError) as info:
+            with pytest.raises(CheckpointError) as info:  # an Exception, DCP's as the cause
                 pending = save_checkpoint(root, model, optim, step=2, keep=1,
                                           async_save=async_save)
                 if pending is not None:
                     pending.result()
+            assert isinstance(info.value.__cause__, CheckpointException), info.value.__cause__
             messages.append(str(info.value))
     finally:
         FileSystemWriter.write_data = original
