@@ -7,7 +7,9 @@ a plain factor, factor 1 (the plain sum), mixed precision, HSDP (with and
 without a factor, with ``set_force_sum_reduction_for_comms``), and HSDP with
 gradient accumulation between all-reduces. Each compares with a
 single-process reference on the full batch: its mean gradient times
-``ranks / factor``.
+``ranks / factor``. Under ``FSDP2_TEST_IMPL=torch`` the cases upstream can
+run on gloo (no ``PREMUL_SUM``: the default, a factor equal to the shard
+size, force-sum) pass against the same reference; the others are fsdp2's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from _impl import MixedPrecisionPolicy, fully_shard
+from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from checks import ATOL, RTOL
 from models import assert_grads_match, build_chain, chain_batch, make_pair, mlp_loss, rank_slice
@@ -55,18 +57,21 @@ def _body(rank, world_size, factor, *, hsdp=False, force_sum=False, mp=False, mi
     assert_grads_match(ref, model, rtol, atol)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_factor(world_size):
     """A factor of 3 on a 1-D mesh (gloo: divided before a SUM): sum / 3."""
     run_ranks(_body, world_size, 3.0)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_factor_one_is_the_sum(world_size):
     """A factor of 1: the plain sum over ranks (no division at all)."""
     run_ranks(_body, world_size, 1.0)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 def test_mixed_precision():
     """bf16 parameters, float32 reduction, factor 3 at W=4: sum / 3 (within bf16 compute)."""
     run_ranks(functools.partial(_body, mp=True), 4, 3.0)
@@ -77,6 +82,7 @@ def test_hsdp_default_is_the_mean():
     run_ranks(functools.partial(_body, hsdp=True), 4, None)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 def test_hsdp_factor_divides_once_over_both_groups():
     """HSDP 2 x 2, factor 3: sum over all 4 ranks / 3 (not / (3 x 2) as a per-group division)."""
     run_ranks(functools.partial(_body, hsdp=True), 4, 3.0)
@@ -87,6 +93,7 @@ def test_hsdp_factor_equal_to_the_shard_size():
     run_ranks(functools.partial(_body, hsdp=True), 4, 2.0)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 def test_hsdp_mixed_precision_factor():
     """HSDP 2 x 2 with bf16 parameters, factor 3: sum / 3."""
     run_ranks(functools.partial(_body, hsdp=True, mp=True), 4, 3.0)
@@ -104,6 +111,7 @@ def test_hsdp_force_sum(factor):
     run_ranks(functools.partial(_body, hsdp=True, force_sum=True), 4, factor)
 
 
+@fsdp2_only  # upstream asks gloo for PREMUL_SUM and stops
 def test_hsdp_factor_with_accumulation():
     """HSDP 2 x 2, factor 3, two micro-batches with the all-reduce on the last: sum / 3."""
     run_ranks(functools.partial(_body, hsdp=True, micro=2), 4, 3.0)
