@@ -311,6 +311,9 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
 
     def finish() -> None:
         if checksums:
+            for name in sorted(os.listdir(partial)):  # a file no rank claimed by its name
+                if name not in entries and name != integrity.MANIFEST:
+                    entries[name] = list(integrity.checksum(partial / name))
             integrity.write_manifest(partial, entries)
         commit(final, keep)
 
