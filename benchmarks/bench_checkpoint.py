@@ -133,7 +133,7 @@ def checkpoint_body(rank: int, world_size: int, cfg: dict) -> dict:
         # the first load builds DCP's reader and planner: a warm-up round, not counted
         warm: dict = {k: [] for k in integrity}
         _integrity_round(trainers["fsdp2"], f"{root[0]}/integrity", 0, warm)
-        for n in range(1, cfg["ckpt_reps"] + 1):
+        for n in range(1, cfg.get("ckpt_integrity_reps", 3) + 1):
             _integrity_round(trainers["fsdp2"], f"{root[0]}/integrity", n, integrity)
         out = {"integrity": {k: max_over_ranks(v) for k, v in integrity.items()}}
         for impl, t in times.items():

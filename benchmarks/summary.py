@@ -85,7 +85,7 @@ def _optim_rows(raw: dict) -> list[dict]:
 
 def _checkpoint_rows(raw: dict) -> list[dict]:
     c = raw.get("checkpoint")
-    if not c:
+    if not isinstance(c, dict) or not isinstance(c.get("fsdp2"), dict):  # absent or failed
         return []
     ms = {n: {k: 1e3 * median(v) for k, v in c[n].items() if k != "busy_steps"} for n in c}
     f, t = ms["fsdp2"], ms["torch"]
