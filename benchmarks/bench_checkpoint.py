@@ -12,6 +12,10 @@ torchtitan does) of ``get_state_dict``, straight into the folder.
 * step time with a save in flight: steps started right after an async save
   returned, counted while the save is still running on every rank, against
   steps with no save; both medians of the slowest rank.
+* integrity (fsdp2 only): a synchronous save with checksums (the default)
+  against one with ``checksums=False``, and a load with verification
+  against one with ``verify=False`` (of the same checkpoint, so both read
+  from the page cache), taking turns; medians of the slowest rank.
 """
 
 from __future__ import annotations
@@ -83,6 +87,24 @@ def _one_round(tr: Trainer, savers, n: int, times: dict) -> None:
     pending.result()
 
 
+def _integrity_round(tr: Trainer, root: str, n: int, times: dict) -> None:
+    """Saves with and without checksums, loads with and without verification, taking turns."""
+    from fsdp2 import load_checkpoint, save_checkpoint
+
+    def save(on: bool) -> None:
+        save_checkpoint(root, tr.model, tr.optim, step=2 * n + on, keep=2, checksums=on)
+
+    def load(on: bool) -> None:
+        load_checkpoint(f"{root}/step-{2 * n + 1}", tr.model, tr.optim, verify=on)
+
+    for kind, fn in (("save", save), ("load", load)):
+        for on in rotated([True, False], n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(on)
+            times[f"{kind}_{'on' if on else 'off'}"].append(time.perf_counter() - t0)
+
+
 def _on_every_rank(flag: bool) -> bool:
     """True when ``flag`` holds on every rank (so all ranks count the same steps)."""
     t = torch.tensor([1 if flag else 0])
@@ -107,7 +129,13 @@ def checkpoint_body(rank: int, world_size: int, cfg: dict) -> dict:
         for n in range(cfg["ckpt_reps"]):
             for impl in rotated(list(FSDP_IMPLS), n):
                 _one_round(trainers[impl], savers[impl], n, times[impl])
-        out = {}
+        integrity: dict = {f"{k}_{v}": [] for k in ("save", "load") for v in ("on", "off")}
+        # the first load builds DCP's reader and planner: a warm-up round, not counted
+        warm: dict = {k: [] for k in integrity}
+        _integrity_round(trainers["fsdp2"], f"{root[0]}/integrity", 0, warm)
+        for n in range(1, cfg.get("ckpt_integrity_reps", 3) + 1):
+            _integrity_round(trainers["fsdp2"], f"{root[0]}/integrity", n, integrity)
+        out = {"integrity": {k: max_over_ranks(v) for k, v in integrity.items()}}
         for impl, t in times.items():
             # every rank counted the same overlapped steps (_on_every_rank)
             out[impl] = {k: max_over_ranks(v) for k, v in t.items()}

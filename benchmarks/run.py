@@ -51,6 +51,7 @@ FULL = {
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 3,
     "ckpt_reps": 6,
+    "ckpt_integrity_reps": 3,
     "muon_shape": {
         "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
     },
@@ -75,6 +76,7 @@ QUICK = {
     "materialize_shape": {**LLAMA_70B, "n_layers": 8},
     "materialize_reps": 1,
     "ckpt_reps": 2,
+    "ckpt_integrity_reps": 2,
     "muon_shape": {
         "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
     },

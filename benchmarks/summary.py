@@ -86,11 +86,20 @@ def _optim_rows(raw: dict) -> list[dict]:
 
 def _checkpoint_rows(raw: dict) -> list[dict]:
     c = raw.get("checkpoint")
-    if not c:
+    if not isinstance(c, dict) or not isinstance(c.get("fsdp2"), dict):  # absent or failed
         return []
     ms = {n: {k: 1e3 * median(v) for k, v in c[n].items() if k != "busy_steps"} for n in c}
     f, t = ms["fsdp2"], ms["torch"]
-    return [
+    checked = []
+    if "integrity" in ms:  # fsdp2 against itself: the torch column is the unchecked run
+        i = ms["integrity"]
+        checked = [
+            ratio_row("checkpoint save, checksums on (ms; torch col.: fsdp2 off)",
+                      i["save_on"], i["save_off"], None, 1.1),
+            ratio_row("checkpoint load, verified (ms; torch col.: fsdp2 verify=False)",
+                      i["load_on"], i["load_off"], None, 1.1),
+        ]
+    return [*checked,
         ratio_row("checkpoint save stall, sync (ms)", f["stall_sync"], t["stall_sync"], None, 1.1),
         ratio_row("checkpoint save stall, async (ms)", f["stall_async"], t["stall_async"], None,
                   1.1),

@@ -11,6 +11,8 @@ from .api import (
     OffloadPolicy,
     OptimizerOffloadPolicy,
 )
+from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
+from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
 from .checkpoint.state_dict import IncompatibleKeys, get_full_state_dict, set_full_state_dict
 from .errors import FSDPAssertionError, FSDPNotImplementedError
@@ -37,6 +39,9 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     # fsdp2's own tools
+    "CheckpointDamagedError",
+    "CheckpointError",
+    "CheckpointLockedError",
     "FSDPAssertionError",
     "FSDPNotImplementedError",
     "IncompatibleKeys",
@@ -54,5 +59,6 @@ __all__ = [
     "set_full_state_dict",
     "shard_model",
     "summon_full_params",
+    "verify_checkpoint",
 ]
 __version__ = "0.2.0"

@@ -354,11 +354,12 @@ class FSDPModule:
         group = self._fsdp_state().param_group
         if group is not None:
             if stream is not None and group.mesh_info.is_hsdp:
-                raise ValueError(
-                    "stream cannot be set when using native HSDP\n"
-                    "On a 2-D (replicate, shard) mesh the hook runs after FSDP's own all-reduce, "
-                    "on its stream: pass stream=None"
-                )
+                # upstream's text exactly (its tests compare str(error)); ours in a note
+                error = ValueError("stream cannot be set when using native HSDP")
+                note = ("On a 2-D (replicate, shard) mesh the hook runs after FSDP's own "
+                        "all-reduce, on its stream: pass stream=None")
+                error.__notes__ = [note]  # what add_note (Python 3.11+) sets
+                raise error
             # as upstream: a later call without a stream keeps the one given before
             group.reduction.set_all_reduce_hook(hook, stream)
 

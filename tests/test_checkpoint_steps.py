@@ -29,11 +29,18 @@ from models import (
     transformer_loss,
 )
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp2 import load_checkpoint, load_latest, save_checkpoint
+from fsdp2 import CheckpointError, load_checkpoint, load_latest, save_checkpoint
+from fsdp2.checkpoint.claim import CLAIM
 
 _BATCH = 8  # divides over 1, 2 and 4 ranks
+
+
+def _names(root):
+    """The entries of a checkpoint root, less this job's claim file (see test_checkpoint_lock)."""
+    return sorted(n for n in os.listdir(root) if n != CLAIM)
 
 
 def _build(mesh, seed=31):
@@ -100,7 +107,7 @@ def _keep_body(rank, world_size, root):
     _train_span(model, optim, 5, 6, rank, world_size)
     gate.set()
     assert pending.result() == os.path.join(root, "step-5")
-    assert sorted(os.listdir(root)) == ["step-4", "step-5"], os.listdir(root)
+    assert _names(root) == ["step-4", "step-5"], os.listdir(root)
 
     fresh, fresh_optim = _build(cpu_mesh(), seed=32)
     extra = {"note": 0}
@@ -110,8 +117,8 @@ def _keep_body(rank, world_size, root):
 
     # a folder without DCP's metadata (a save that did not finish) never loads
     _barrier_then(rank, lambda: os.remove(os.path.join(root, "step-5", ".metadata")))
-    with pytest.raises(ValueError, match=r"step-5 is not a complete checkpoint: it has no "
-                                         r"\.metadata .* load_latest\(root\)"):
+    with pytest.raises(ValueError, match=r"step-5 is damaged.* load_latest\(root\).*"
+                                         r"\n  rank 0: \.metadata: missing"):
         load_checkpoint(os.path.join(root, "step-5"), fresh, fresh_optim)
     assert load_latest(root, fresh, fresh_optim, extra=extra) == 4
     assert extra["note"] == 4
@@ -183,7 +190,7 @@ def _resume_body(rank, world_size, root):
     assert load_latest(root, model, optim) == 2  # the killed step 4 is not a checkpoint
     losses = _train_span(model, optim, 2, 4, rank, world_size)
     save_checkpoint(root, model, optim, step=4, keep=2)  # over the killed save's leftovers
-    assert sorted(os.listdir(root)) == ["step-2", "step-4"], os.listdir(root)
+    assert _names(root) == ["step-2", "step-4"], os.listdir(root)
     return losses + _train_span(model, optim, 4, 6, rank, world_size)
 
 
@@ -197,7 +204,7 @@ def test_a_rank_killed_mid_save_resumes_from_the_previous_step(tmp_path, point):
     with pytest.raises(RankError, match=f"rank {_KILL_POINTS[point][0]} exited with code -9"):
         run_ranks(_killed_body, 2, root, point, timeout=60)
     leftover = os.path.join(root, ".step-4.partial")
-    assert sorted(os.listdir(root)) == [".step-4.partial", "step-2"], os.listdir(root)
+    assert _names(root) == [".step-4.partial", "step-2"], os.listdir(root)
     assert os.path.isfile(os.path.join(leftover, ".metadata")) == (point == "rank0_before_rename")
     if not _uninterrupted:
         _uninterrupted.extend(run_ranks(_uninterrupted_body, 2))
@@ -257,15 +264,16 @@ def _errors_body(rank, world_size, root, blocked):
     FileSystemWriter.write_data = disk_full
     try:
         for async_save in (False, True):
-            with pytest.raises(RuntimeError) as info:
+            with pytest.raises(CheckpointError) as info:  # an Exception, DCP's as the cause
                 pending = save_checkpoint(root, model, optim, step=2, keep=1,
                                           async_save=async_save)
                 if pending is not None:
                     pending.result()
+            assert isinstance(info.value.__cause__, CheckpointException), info.value.__cause__
             messages.append(str(info.value))
     finally:
         FileSystemWriter.write_data = original
-    assert sorted(os.listdir(root)) == ["step-1"], os.listdir(root)  # no leftover either
+    assert _names(root) == ["step-1"], os.listdir(root)  # no leftover either
 
     with pytest.raises(RuntimeError) as info:  # a file where a folder should be
         save_checkpoint(os.path.join(blocked, "ckpt"), model, optim, step=2)
@@ -295,8 +303,8 @@ def test_write_errors_raise_the_same_error_on_every_rank_and_keep_the_previous_s
         assert "earlier checkpoints are as they were" in message, message
     assert f"cannot write into {blocked}" in unwritable and "NotADirectoryError" in unwritable
     assert "writable" in unwritable, unwritable
-    assert "rank 0: (2, None, False, 'step-2'), rank 1: (3, None, False, 'step-3')" in steps
-    assert "rank 0: (2, None, True, 'step-2'), rank 1: (2, None, False, 'step-2')" in modes
+    assert "rank 0: (2, None, False, True, 'step-2'), rank 1: (3, None, False, True, 'step-3')" in steps
+    assert "rank 0: (2, None, True, True, 'step-2'), rank 1: (2, None, False, True, 'step-2')" in modes
 
 
 # ---------------------------------------------------------------- the guide's example
@@ -342,7 +350,7 @@ def test_readme_checkpoint_example_runs_and_resumes(tmp_path):
     for rank in range(2):
         assert first[rank][0] + second[rank][0] == unbroken[rank][0], rank
         assert second[rank][1] == 6  # the scheduler came back at step 4 and went on
-    assert sorted(os.listdir(tmp_path / "steps")) == ["step-4", "step-5", "step-6"]
+    assert _names(tmp_path / "steps") == ["step-4", "step-5", "step-6"]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["best"]
 
 
@@ -357,7 +365,7 @@ def test_one_process_without_a_process_group(tmp_path):
         for p in model.parameters():
             p.add_(1.0)  # after the call: not in the checkpoint
     assert pending.result() == str(tmp_path / "step-2")
-    assert sorted(os.listdir(tmp_path)) == ["step-2"]
+    assert _names(tmp_path) == ["step-2"]
     fresh = build_transformer(seed=37)
     assert load_latest(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
     for name, p in fresh.named_parameters():

@@ -112,6 +112,12 @@ def _case_hyper(rank, world_size):
     )
 
 
+def _case_tensor_lr(rank, world_size):
+    """A tensor lr (kept a float32 0-d tensor, as torch.optim.Muon keeps it), ratio != 1: bit-equal."""
+    hyper = {**HYPER, "lr": torch.tensor(0.015), "adjust_lr_fn": "match_rms_adamw"}
+    _train_ref_on_gathered_grads(rank, world_size, hyper=hyper)
+
+
 def _case_grad_accumulation(rank, world_size):
     """Two microbatches per step (gradients accumulated in the sharded .grad): bit-equal."""
     _train_ref_on_gathered_grads(rank, world_size, accum=2)
@@ -319,12 +325,19 @@ CASES = {
         "activation_checkpointing": _case_activation_checkpointing,
         "mixed_precision": _case_mixed_precision,
         "two_all_to_alls": _case_two_all_to_alls,
+        "tensor_lr": _case_tensor_lr,
         "experts_whole": _case_experts_whole,
     },
-    3: {"plain": _case_plain, "hyper": _case_hyper, "experts_split": _case_experts_split},
+    3: {
+        "plain": _case_plain,
+        "hyper": _case_hyper,
+        "tensor_lr": _case_tensor_lr,
+        "experts_split": _case_experts_split,
+    },
     4: {
         "plain": _case_plain,
         "hsdp": _case_hsdp,
+        "tensor_lr": _case_tensor_lr,
         "experts_split": _case_experts_split,
         "experts_whole": _case_experts_whole,
         "load_balance": _case_load_balance,
@@ -355,6 +368,12 @@ def ckpt_dir(tmp_path_factory, launch_cases) -> str:
 def test_bit_equal_to_single_device_muon(world_size, ckpt_dir, launch_cases):
     """1-D mesh at W = 1..4 (uneven shards at 3 and 4): every step bit-equal to torch.optim.Muon."""
     check_case(launch_cases(world_size, _cases(world_size, ckpt_dir)), "plain")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_tensor_lr_bit_equal(world_size, ckpt_dir, launch_cases):
+    """lr=torch.tensor(0.015), match_rms_adamw (a ratio that rounds) at W = 2..4: bit-equal."""
+    check_case(launch_cases(world_size, _cases(world_size, ckpt_dir)), "tensor_lr")
 
 
 def test_hyperparameters_bit_equal(ckpt_dir, launch_cases):
@@ -433,5 +452,6 @@ def _example_body(rank, world_size):
 
 def test_example_loss_falls():
     """examples/muon.py trains the demo model with Muon + AdamW on 2 ranks and its loss falls."""
+    pytest.importorskip("tqdm")  # the example's progress bar (examples/train.py)
     losses = run_ranks(_example_body, 2)[0]
     assert min(losses[-5:]) < 0.75 * losses[0], losses

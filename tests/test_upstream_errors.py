@@ -51,6 +51,8 @@ def _check_row(r: Row, rank: int, world_size: int) -> None:
     where = f"{r.name} on rank {rank}: {type(exc).__name__}: {text}"
     assert isinstance(exc, expect.cls), f"{where}\nis not a {expect.cls.__name__}"
     assert any(m in text for m in options), f"{where}\ndoes not contain upstream's {options}"
+    if expect.exact:
+        assert text in options, f"{where}\nis not exactly upstream's {options}"
     if IMPL == "fsdp2":
         assert any(text.startswith(m) for m in options), f"{where}\ndoes not start with {options}"
         if expect.cls in (AssertionError, NotImplementedError):

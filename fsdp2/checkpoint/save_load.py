@@ -18,22 +18,30 @@ every missing, unexpected or resized tensor is reported by name in one
 ``ValueError`` (DCP itself ignores tensors the model lacks and stops at the
 first problem). Values are read in place into the live parameters and
 optimizer states, so only an I/O error while reading can leave a partial load.
+Before that, the files themselves are checked against the checksums the save
+recorded (see [Note: Checkpoint integrity] in ``integrity.py``): a damaged
+step is an error on every rank, and :func:`load_latest` falls back to the
+newest intact one. Every error is an ``Exception`` (:class:`CheckpointError`
+and its subclasses), DCP's ``BaseException`` kept as the cause.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from . import integrity
 from .async_save import background_group, stage, submit, wait_pending
+from .errors import CheckpointDamagedError, CheckpointError
 from .step_dirs import (
-    METADATA,
     agree,
     commit,
     complete_steps,
@@ -64,6 +72,7 @@ def save_checkpoint(
     step: int | None = None,
     keep: int | None = None,
     async_save: bool = False,
+    checksums: bool = True,
 ) -> Future[str] | None:
     """Save a sharded checkpoint of ``model`` (and ``optim``); it appears only once complete.
 
@@ -89,13 +98,20 @@ def save_checkpoint(
     save's error; call it before ``destroy_process_group``. At most one save
     is in flight: the next save or load waits for it first.
 
+    With ``checksums`` (the default) each rank records the size and CRC-32 of
+    the files it wrote, in the checkpoint's manifest, which loads verify.
+    With ``step``, the first save claims the root for this job: a second
+    live job saving into it gets :class:`CheckpointLockedError` before
+    writing anything (a crashed job's claim is recognised and replaced).
+
     Raises:
         ValueError: ``step < 0``, ``keep < 1``, ``keep`` without ``step``, or
             ranks passing different ``step``/``keep``/``async_save``.
-        RuntimeError: the folder cannot be written (unwritable, disk full,
-            ...): raised on every rank, naming the path; earlier checkpoints
-            are kept. Errors of an asynchronous write surface from the
-            future (or the next save).
+        CheckpointError: (a ``RuntimeError``) the folder cannot be written
+            (unwritable, disk full, ...): raised on every rank, naming the
+            path; earlier checkpoints are kept. Errors of an asynchronous
+            write surface from the future (or the next save).
+        CheckpointLockedError: another live job owns the root.
     """
     _check_step_args(step, keep)
     wait_pending()
@@ -104,16 +120,16 @@ def save_checkpoint(
     # On the default group: the ranks must agree on async_save before making its group.
     agree(
         f"save_checkpoint: cannot write into {final.parent}",
-        (step, keep, async_save, final.name),
-        lambda: prepare(final),
+        (step, keep, async_save, checksums, final.name),
+        lambda: prepare(final, owned_root=step is not None),
         hint=_WRITE_HINT,
     )
     if not async_save:
-        _write(state, final, keep, None)
+        _write(state, final, keep, None, checksums)
         return None
     group = background_group()
     staged = stage(state)
-    return submit(lambda: _write(staged, final, keep, group))
+    return submit(lambda: _write(staged, final, keep, group, checksums))
 
 
 def load_latest(
@@ -123,12 +139,19 @@ def load_latest(
     *,
     extra: dict[str, Any] | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> int | None:
-    """Load the newest complete ``root/step-N`` written by ``save_checkpoint(root, step=N)``.
+    """Load the newest intact ``root/step-N`` written by ``save_checkpoint(root, step=N)``.
 
     Collective. Returns ``N``, or ``None`` (loading nothing) when ``root``
     holds no complete checkpoint. Leftovers of killed saves are never
-    considered. Otherwise as :func:`load_checkpoint`, at any world size.
+    considered. A damaged step (a file missing, truncated or changed: see
+    :func:`load_checkpoint`) is skipped with a warning naming the step, the
+    file and the rank that saw it, and the next older one is loaded.
+    Otherwise as :func:`load_checkpoint`, at any world size.
+
+    Raises:
+        CheckpointDamagedError: every complete step under ``root`` is damaged.
     """
     wait_pending()
     # Rank 0 lists the folder for everyone: one answer even if a filesystem
@@ -136,8 +159,22 @@ def load_latest(
     steps = agree(f"load_latest: cannot list {root}", None, lambda: complete_steps(root))
     if not steps:
         return None
-    load_checkpoint(step_dir(root, steps[-1]), model, optim, extra=extra, strict=strict)
-    return steps[-1]
+    skipped = []
+    for step in reversed(steps):
+        try:
+            load_checkpoint(step_dir(root, step), model, optim, extra=extra, strict=strict,
+                            verify=verify)
+        except CheckpointDamagedError as exc:  # the same on every rank: all skip it
+            warnings.warn(f"load_latest: skipping step {step}, it is damaged: {exc}",
+                          stacklevel=2)
+            skipped.append(step)
+            continue
+        return step
+    raise CheckpointDamagedError(
+        f"load_latest: every checkpoint under {os.fspath(root)} is damaged (steps "
+        f"{', '.join(map(str, skipped))}); nothing was loaded. See the warnings above, or "
+        "run python -m fsdp2.checkpoint.verify on the root"
+    )
 
 
 def load_checkpoint(
@@ -147,6 +184,7 @@ def load_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> None:
     """Load a checkpoint written by :func:`save_checkpoint`, at any world size.
 
@@ -155,12 +193,22 @@ def load_checkpoint(
     ``extra`` must have the keys that were saved: plain values are replaced
     in the dict, objects with ``load_state_dict`` (a scheduler) load theirs.
 
+    First the files are checked against the sizes and checksums the save
+    recorded (each rank hashes a share; ``verify=False`` checks sizes only);
+    a checkpoint written before fsdp2 recorded checksums is checked for its
+    metadata only.
+
     Raises:
-        ValueError: the folder is not a complete checkpoint (no metadata:
-            a save that did not finish), or the checkpoint does not match the
-            model or optimizer (missing, unexpected or resized tensors, all
-            named); nothing was loaded. ``strict=False`` skips model keys
-            missing on either side.
+        CheckpointDamagedError: (also a ``ValueError``) the folder is not a
+            complete checkpoint (no metadata: a save that did not finish) or
+            a file is missing, truncated, changed or unreadable: every
+            problem with its file and the rank that saw it, the same on
+            every rank; nothing was loaded.
+        ValueError: the checkpoint does not match the model or optimizer
+            (missing, unexpected or resized tensors, all named); nothing was
+            loaded. ``strict=False`` skips model keys missing on either side.
+        CheckpointError: (a ``RuntimeError``) DCP failed to read, its error
+            as the cause.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -172,8 +220,8 @@ def load_checkpoint(
     )
 
     wait_pending()
-    _check_complete(Path(checkpoint_id))
-    saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    path = Path(checkpoint_id)
+    saved = _checked_metadata(path, verify)
     model_sd = get_model_state_dict(model)
     problems = _compare("model", model_sd, saved, strict)
     if not strict:
@@ -196,7 +244,7 @@ def load_checkpoint(
                 f"load_checkpoint: {os.fspath(checkpoint_id)} does not match the "
                 "model/optimizer; nothing was loaded.\n  " + "\n  ".join(problems)
             )
-        dcp.load(state, checkpoint_id=checkpoint_id)
+        _dcp_call("load_checkpoint: reading", path, lambda: dcp.load(state, checkpoint_id=path))
     except BaseException:
         if fresh:
             optim.state.clear()  # leave the optimizer as it was
@@ -235,39 +283,99 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer | None, extra: dict | 
     return state
 
 
-def _write(state: dict, final: Path, keep: int | None, group: Any) -> str:
+def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bool) -> str:
     """Every rank writes ``state`` into ``final``'s partial folder; rank 0 commits it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     partial = partial_dir(final)
-    try:
-        dcp.save(state, checkpoint_id=partial, process_group=group)
-    except CheckpointException as exc:  # DCP raises it on every rank, with every rank's error
+
+    def cleanup() -> None:
         # DCP's collectives still work (they carried the error): clean up in step.
         agree("save_checkpoint: cleaning up", None, lambda: discard(final), group)
+
+    _dcp_call(f"save_checkpoint: writing {final}", final,
+              lambda: dcp.save(state, checkpoint_id=partial, process_group=group),
+              cleanup, _WRITE_HINT)
+    entries: dict[str, list[int]] = {}
+    if checksums:  # each rank hashes its own files, still in the page cache
+        try:
+            mine: Any = integrity.written_by(partial, _rank(group))
+        except OSError as exc:
+            mine = f"{type(exc).__name__}: {exc}"
+        for rank, got in enumerate(_gather(mine, group)):
+            if isinstance(got, str):
+                cleanup()
+                raise CheckpointError(f"save_checkpoint: checksumming {final} failed on rank "
+                                      f"{rank} ({got}){_WRITE_HINT}")
+            entries.update(got)
+
+    def finish() -> None:
+        if checksums:
+            for name in sorted(os.listdir(partial)):  # a file no rank claimed by its name
+                if name not in entries and name != integrity.MANIFEST:
+                    entries[name] = list(integrity.checksum(partial / name))
+            integrity.write_manifest(partial, entries)
+        commit(final, keep)
+
+    agree(f"save_checkpoint: cannot commit {final}", None, finish, group, _WRITE_HINT)
+    return str(final)
+
+
+def _dcp_call(what: str, path: Path, call: Any, cleanup: Any = None, hint: str = "") -> Any:
+    """``call()``, with DCP's ``CheckpointException`` (a ``BaseException``) as a CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:  # DCP raises it on every rank, with every rank's error
+        if cleanup is not None:
+            cleanup()
         failures = "; ".join(
             f"rank {rank}: {type(err).__name__}: {err}"
             for rank, (err, _) in sorted(exc.failures.items())
         )
-        raise RuntimeError(
-            f"save_checkpoint: writing {final} failed ({failures}){_WRITE_HINT}"
-        ) from exc
-    agree(f"save_checkpoint: cannot commit {final}", None, lambda: commit(final, keep), group,
-          _WRITE_HINT)
-    return str(final)
+        raise CheckpointError(f"{what} failed ({failures}){hint}") from exc
 
 
-def _check_complete(path: Path) -> None:
-    if (path / METADATA).is_file():
-        return
-    if not path.is_dir():
-        raise ValueError(f"load_checkpoint: {path} does not exist or is not a folder")
-    raise ValueError(
-        f"load_checkpoint: {path} is not a complete checkpoint: it has no {METADATA} (DCP "
-        "writes it last, so the save that wrote this folder did not finish). Load an "
-        "earlier one, or use load_latest(root), which picks the newest complete step."
-    )
+def _checked_metadata(path: Path, verify: bool) -> Any:
+    """DCP's metadata of ``path`` once every rank found its files intact; else one error on all."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank(None), _world(None)
+    found = integrity.problems(path, rank, world, hashes=verify)
+    metadata = None
+    if not found:
+        try:
+            full = dcp.FileSystemReader(path).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - a garbled file: agreed on below
+            found.append(f"{integrity.METADATA}: unreadable ({type(exc).__name__}: {exc})")
+        else:
+            metadata = full.state_dict_metadata
+            found += integrity.short_files(path, full)
+    everyone = dict(enumerate(_gather(found, None)))
+    if any(everyone.values()):
+        raise CheckpointDamagedError(
+            f"load_checkpoint: {os.fspath(path)} is damaged; nothing was loaded. Load an "
+            "earlier checkpoint, or use load_latest(root), which skips damaged steps.\n  "
+            + integrity.describe({r: p for r, p in everyone.items() if p})
+        )
+    return metadata
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather(value: Any, group: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def _is_stateful(value: Any) -> bool:

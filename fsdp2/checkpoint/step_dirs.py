@@ -17,7 +17,12 @@ written under its final name:
 
 A directory named ``step-N`` is therefore complete, and loaders never look at
 ``.partial`` ones. Re-saving a name that exists moves the old one aside
-(``.NAME.old``) just before the rename and deletes it after.
+(``.NAME.old``) just before the rename and deletes it after; pruning renames a
+step to ``.NAME.deleting`` before deleting its files, so no step is ever
+seen half-deleted under its name. A second job in the same root would still
+undo all this (it removes the first's ``.partial`` as a leftover), so the
+first save also claims the root (see [Note: Checkpoint root claims] in
+``claim.py``).
 
 Rank 0 makes every change to the directory tree (the root is shared by all
 ranks, as DCP needs anyway to load at another world size). The other ranks
@@ -36,9 +41,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from .claim import claim
+from .errors import CheckpointError
+from .integrity import METADATA
+
 _STEP = re.compile(r"^step-(\d+)$")
-_LEFTOVER = re.compile(r"^\.step-(\d+)\.(partial|old)$")
-METADATA = ".metadata"  # DCP's metadata file, written last
+_LEFTOVER = re.compile(r"^\.step-(\d+)\.(partial|old|deleting)$")
 
 _T = TypeVar("_T")
 
@@ -74,8 +82,9 @@ def agree(
 
     Collective: every rank also contributes ``key`` (the arguments that must
     match, e.g. the step), and a mismatch is a ``ValueError`` on every rank.
-    An error of ``action`` is a ``RuntimeError`` on every rank: ``what``, the
-    error, then ``hint`` (how to fix it).
+    An error of ``action`` is a :class:`CheckpointError` (a ``RuntimeError``;
+    its own class if it was one) on every rank: ``what``, the error, then
+    ``hint`` (how to fix it).
     """
     outcome: tuple[str, Any] | None = None
     distributed = dist.is_available() and dist.is_initialized()
@@ -83,7 +92,8 @@ def agree(
         try:
             outcome = ("ok", action())
         except Exception as exc:  # noqa: BLE001 - sent to every rank below
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
+            cls = type(exc) if isinstance(exc, CheckpointError) else CheckpointError
+            outcome = ("error", (cls, f"{type(exc).__name__}: {exc}"))
     if not distributed:
         gathered = [(key, outcome)]
     else:
@@ -96,13 +106,16 @@ def agree(
                          "every rank must make the same call")
     status, value = gathered[0][1]
     if status == "error":
-        raise RuntimeError(f"{what}: {value}{hint}")
+        cls, text = value
+        raise cls(f"{what}: {text}{hint}")
     return value
 
 
-def prepare(final: Path) -> None:
-    """Rank 0, before the write: the root exists, no leftover of ``final`` remains."""
+def prepare(final: Path, owned_root: bool = False) -> None:
+    """Rank 0, before the write: the root exists (claimed if ``owned_root``), no leftover remains."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    if owned_root:
+        claim(final.parent)
     for leftover in (partial_dir(final), _old_dir(final)):
         if leftover.exists():
             shutil.rmtree(leftover)
@@ -133,7 +146,13 @@ def discard(final: Path) -> None:
 def _prune(root: Path, keep: int) -> None:
     steps = complete_steps(root)
     for step in steps[:-keep]:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+        doomed = root / f".step-{step}.deleting"
+        shutil.rmtree(doomed, ignore_errors=True)  # a killed prune's leftover
+        try:
+            os.replace(step_dir(root, step), doomed)  # gone from view at once, then deleted
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
     # Leftovers of saves killed before the newest complete step: no save of
     # theirs is in flight (one at a time), and none would ever be loaded.
     newest = steps[-1] if steps else -1

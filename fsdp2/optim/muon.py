@@ -256,7 +256,8 @@ class Muon(torch.optim.Optimizer):
             units_of.setdefault(u.layout.param, []).append(u)
         for p, (_, group) in updates.items():
             lr = group["lr"]
-            lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+            # torch.optim.Muon keeps a tensor lr a 0-d tensor: lr * ratio in its dtype.
+            lr = lr.squeeze() if isinstance(lr, torch.Tensor) else lr
             local = local_tensor(p) if isinstance(p, DTensor) else p
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], tuple(p.shape[-2:]))
             local.mul_(1 - lr * group["weight_decay"])
@@ -313,7 +314,9 @@ def newton_schulz(
     return torch.stack(out)
 
 
-def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
+def _adjust_lr(
+    lr: float | torch.Tensor, adjust_lr_fn: str | None, shape: tuple[int, int]
+) -> float | torch.Tensor:
     """The learning rate scaled for a matrix's shape, as ``torch.optim.Muon`` scales it."""
     rows, cols = shape
     if adjust_lr_fn is None or adjust_lr_fn == "original":

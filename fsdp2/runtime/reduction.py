@@ -259,6 +259,7 @@ class GradientReduction:
                 self.settings.gradient_divide_factor,
                 self.settings.force_sum_reduction,
                 backend_supports_premul_sum(group, self.device),
+                self.mesh_info.replicate_mesh_size if self.mesh_info.is_hsdp else 1,
             )
             self._reduce_plan = plan
         return plan
@@ -368,13 +369,13 @@ class GradientReduction:
                 collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
             if self.settings.all_reduce_hook is not None and not hsdp:
                 self._call_all_reduce_hook(output)
-            if plan.post_factor is not None:
-                output.div_(plan.post_factor)
             if hsdp:
-                if not self._all_reduce(output, fsdp_params, filled):
+                if not self._all_reduce(output, fsdp_params, filled, plan.all_reduce_op):
                     return
                 if self.settings.all_reduce_hook is not None:  # HSDP: after the all-reduce
                     self._call_all_reduce_hook(output)
+            if plan.post_factor is not None:  # once, after both groups (HSDP) summed
+                output.div_(plan.post_factor)
             unused = _unused_everywhere(output, fsdp_params, filled) if filled else ()
             output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
             for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
@@ -386,8 +387,9 @@ class GradientReduction:
         output: torch.Tensor,
         fsdp_params: list[FSDPParam],
         filled: set[FSDPParam] = frozenset(),
+        op: object = dist.ReduceOp.AVG,
     ) -> bool:
-        """HSDP: average over the replicate group; returns whether gradients are final.
+        """HSDP: reduce over the replicate group with ``op``; returns whether gradients are final.
 
         With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
         gradients (in the reduce dtype) are kept aside, not set on ``.grad``,
@@ -408,9 +410,7 @@ class GradientReduction:
         if comm.active:  # HSDP's all-reduce on its own stream, after the reduce-scatter
             comm.wait_stream(None, comm.all_reduce, comm.reduce_scatter)
         with comm.use(comm.all_reduce if comm.active else None):
-            collectives.all_reduce(
-                output, self.mesh_info.replicate_process_group, dist.ReduceOp.AVG
-            )
+            collectives.all_reduce(output, self.mesh_info.replicate_process_group, op)
         if comm.active:  # the views and casts after it run on the reduce-scatter stream
             comm.wait_stream(None, comm.reduce_scatter, comm.all_reduce)
         return True
