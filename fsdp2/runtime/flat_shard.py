@@ -209,16 +209,19 @@ class FlatSlot(NamedTuple):
     numel: int
 
 
-# id(sharded parameter) -> (weakref to it, weakref to its FlatShard, slot index)
-_SLOTS: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+# id(sharded parameter) -> (weakref to its FlatShard, slot index). No weak reference to
+# the parameter itself: ``torch.utils.swap_tensors`` (``to_empty``, ``load_state_dict``
+# with swapping) refuses tensors that have one. ``flat_slot_of`` checks the parameter is
+# still the slot's, so a reused id never matches.
+_SLOTS: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _register_slots(flat: FlatShard) -> None:
+    for key in [k for k, (ref, _) in _SLOTS.items() if ref() is None]:
+        del _SLOTS[key]  # groups that are gone
     ref = weakref.ref(flat)
     for i, p in enumerate(flat.fsdp_params):
-        param = p.sharded_param
-        key = id(param)
-        _SLOTS[key] = (weakref.ref(param, lambda _, key=key: _SLOTS.pop(key, None)), ref, i)
+        _SLOTS[id(p.sharded_param)] = (ref, i)
 
 
 def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:
@@ -229,12 +232,12 @@ def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:
     all-gather extension or one replaced since the group last adopted it.
     """
     entry = _SLOTS.get(id(param))
-    if entry is None or entry[0]() is not param:
+    if entry is None:
         return None
-    flat = entry[1]()
+    flat = entry[0]()
     if flat is None or flat.needs_adoption:
         return None
-    index = entry[2]
+    index = entry[1]
     fsdp_param = flat.fsdp_params[index]
     if fsdp_param.sharded_param is not param or not fsdp_param.in_flat:
         return None
