@@ -4,13 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from .api import (
-    CPUOffloadPolicy,
-    DataParallelMeshDims,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    OptimizerOffloadPolicy,
-)
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
 from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
@@ -22,6 +16,7 @@ from .fully_shard import fully_shard
 from .handles import GradientReductionHandle, UnshardHandle
 from .integrations.patch import TorchPatch, patch_torch
 from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from .optim import OptimizerOffloadPolicy
 from .optim.clip_grad import clip_grad_norm_
 from .optim.local_shard_step import enable_local_shard_step
 from .optim.muon import Muon, MuonLoad

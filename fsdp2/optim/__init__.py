@@ -1,8 +1,11 @@
 """Optimizer helpers: the local-shard step, clip_grad_norm_, whole-matrix Muon."""
 
+from ..api import OptimizerOffloadPolicy
 from .clip_grad import clip_grad_norm_
 from .local_shard_step import enable_local_shard_step
 from .muon import Muon, MuonLoad
 from .state_store import StoreError
 
-__all__ = ["Muon", "MuonLoad", "StoreError", "clip_grad_norm_", "enable_local_shard_step"]
+__all__ = [
+    "Muon", "MuonLoad", "OptimizerOffloadPolicy", "StoreError", "clip_grad_norm_", "enable_local_shard_step",
+]

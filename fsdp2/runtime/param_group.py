@@ -39,7 +39,6 @@ these copies is a no-op and the code path is the same.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -589,15 +588,17 @@ class FSDPParamGroup:
         # Held gradients wait for a reducing post-backward (see end_backward); see
         # [Note: Gradient accumulation without sync] in reduction.py.
         self.step.post_backward_pending = not reduce_grads
-        split, nothing = ACCUMULATE_PROFILER_RANGE, contextlib.nullcontext()  # upstream's ranges
-        with nothing if split else record_function("FSDP::post_backward_reshard", fqn):
-            with record_function("FSDP::post_backward_accumulate", fqn) if split else nothing:
+        # Upstream's ranges: an accumulate range and a reshard range where the installed
+        # torch's upstream has both, else one reshard range around the whole.
+        split = ACCUMULATE_PROFILER_RANGE
+        with record_function("FSDP::post_backward_reshard", fqn, when=not split):
+            with record_function("FSDP::post_backward_accumulate", fqn, when=split):
                 if not reduce_grads:
                     self.reduction.hold_unsharded_grads()
                 else:  # only these lists hold the gradients: the reduce-scatter frees each
                     with_grad, grads, filled = self.reduction.take_grads(ran)
             if self.settings.reshard_after_backward:
-                with record_function("FSDP::post_backward_reshard", fqn) if split else nothing:
+                with record_function("FSDP::post_backward_reshard", fqn, when=split):
                     self.reshard()
         if not reduce_grads:
             return

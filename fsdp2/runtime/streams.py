@@ -133,7 +133,7 @@ class CommStreams:
     def use(self, stream: Any) -> Any:
         """Run the block on ``stream`` (a no-op context when inactive or ``None``)."""
         if not self.active or stream is None:
-            return contextlib.nullcontext()
+            return _NO_RANGE
         return self._backend.use(stream)
 
     def record(self, stream: Any = None) -> Any:
@@ -207,13 +207,17 @@ class CommStreams:
         current.wait_stream(stream)
 
 
-def record_function(name: str, fqn: str = "") -> Any:
-    """A profiler range named as upstream's (``FSDP::pre_forward (layers.0)``).
+def record_function(name: str, fqn: str = "", when: bool = True) -> Any:
+    """A profiler range named as upstream's (``FSDP::pre_forward (layers.0)``), if ``when``.
 
-    Free when no profiler runs: the label is only built while one does.
+    Free when no profiler runs: the label is only built while one does, and
+    the no-op context is one shared object.
     """
-    if profiler_enabled():
+    if when and profiler_enabled():
         if fqn:  # upstream names a prefetch "for" its target
             name = f"{name} for {fqn}" if name.endswith("_prefetch") else f"{name} ({fqn})"
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NO_RANGE
+
+
+_NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
