@@ -42,7 +42,7 @@ from fsdp2 import (
     verify_checkpoint,
 )
 from fsdp2.checkpoint import step_dirs
-from fsdp2.checkpoint.claim import CLAIM
+from fsdp2.checkpoint.step_dirs import CLAIM
 from fsdp2.checkpoint.integrity import MANIFEST
 
 _BATCH = 8

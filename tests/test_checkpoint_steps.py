@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import CheckpointError, load_checkpoint, load_latest, save_checkpoint
-from fsdp2.checkpoint.claim import CLAIM
+from fsdp2.checkpoint.step_dirs import CLAIM
 
 _BATCH = 8  # divides over 1, 2 and 4 ranks
 

@@ -10,6 +10,7 @@ shows the walk catches an edge as soon as one appears.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
@@ -24,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("handles",),
     ("runtime",),  # the per-step engine
     ("api",),  # policies and plain values
-    ("errors", "versions", "_torch_compat"),  # leaves
+    ("errors", "versions", "_torch_compat", "agree", "claim_file"),  # leaves
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
@@ -114,3 +115,55 @@ def test_layers_match_design_doc() -> None:
         for unit in layer:
             if unit != "__init__":
                 assert f"`{unit}" in design, f"docs/design.md does not place {unit!r}"
+
+
+def _module_table(design: str) -> list[str]:
+    """The first cell of each row of design.md's module table ("| module | holds | why ...")."""
+    lines = design.split("## The modules", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| module |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1])
+    return rows
+
+
+def _modules_named(cell: str) -> set[str]:
+    """``a/b.py`` paths named in a table cell (each between backticks)."""
+    return {name for name in re.findall(r"`([\w/]+\.py)`", cell)}
+
+
+def map_problems(design: str, modules: set[str]) -> list[str]:
+    """What design.md's module table and the package's modules disagree on."""
+    rows = _module_table(design)
+    named = set().union(*(_modules_named(cell) for cell in rows))
+    problems = [f"{m}: a module with no row in docs/design.md" for m in sorted(modules - named)]
+    problems += [f"{m}: a row of docs/design.md naming no module" for m in sorted(named - modules)]
+    problems += [f"row {cell.strip()!r} names no module" for cell in rows if not _modules_named(cell)]
+    return problems
+
+
+def _package_modules() -> set[str]:
+    return {
+        p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py") or p.parent == PACKAGE
+    }
+
+
+def test_every_module_has_a_row_in_design_doc() -> None:
+    """Every module of the package is named in design.md's module table, and every name is one."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    assert map_problems(design, _package_modules()) == []
+
+
+def test_module_map_catches_planted_mistakes() -> None:
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    modules = _package_modules() | {"runtime/new_thing.py"}  # a module nobody mapped
+    row = next(r for r in design.splitlines() if r.startswith("| `agree.py`"))
+    planted = design.replace(row, row.replace("`agree.py`", "`agreement.py`"))  # a stale row
+    assert map_problems(planted, modules) == [
+        "agree.py: a module with no row in docs/design.md",
+        "runtime/new_thing.py: a module with no row in docs/design.md",
+        "agreement.py: a row of docs/design.md naming no module",
+    ]

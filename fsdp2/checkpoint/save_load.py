@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..agree import agree
 from . import integrity
 from .async_save import background_group, stage, submit, wait_pending
 from .errors import CheckpointDamagedError, CheckpointError
 from .step_dirs import (
-    agree,
     commit,
     complete_steps,
     discard,
@@ -120,8 +120,9 @@ def save_checkpoint(
     # On the default group: the ranks must agree on async_save before making its group.
     agree(
         f"save_checkpoint: cannot write into {final.parent}",
-        (step, keep, async_save, checksums, final.name),
         lambda: prepare(final, owned_root=step is not None),
+        key=(step, keep, async_save, checksums, final.name),
+        error_type=CheckpointError,
         hint=_WRITE_HINT,
     )
     if not async_save:
@@ -156,7 +157,8 @@ def load_latest(
     wait_pending()
     # Rank 0 lists the folder for everyone: one answer even if a filesystem
     # shows the ranks different states for a moment.
-    steps = agree(f"load_latest: cannot list {root}", None, lambda: complete_steps(root))
+    steps = agree(f"load_latest: cannot list {root}", lambda: complete_steps(root),
+                  error_type=CheckpointError)
     if not steps:
         return None
     skipped = []
@@ -291,7 +293,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
 
     def cleanup() -> None:
         # DCP's collectives still work (they carried the error): clean up in step.
-        agree("save_checkpoint: cleaning up", None, lambda: discard(final), group)
+        agree("save_checkpoint: cleaning up", lambda: discard(final), group=group,
+              error_type=CheckpointError)
 
     _dcp_call(f"save_checkpoint: writing {final}", final,
               lambda: dcp.save(state, checkpoint_id=partial, process_group=group),
@@ -317,7 +320,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
             integrity.write_manifest(partial, entries)
         commit(final, keep)
 
-    agree(f"save_checkpoint: cannot commit {final}", None, finish, group, _WRITE_HINT)
+    agree(f"save_checkpoint: cannot commit {final}", finish, group=group,
+          error_type=CheckpointError, hint=_WRITE_HINT)
     return str(final)
 
 

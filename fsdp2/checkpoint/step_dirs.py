@@ -21,34 +21,41 @@ A directory named ``step-N`` is therefore complete, and loaders never look at
 step to ``.NAME.deleting`` before deleting its files, so no step is ever
 seen half-deleted under its name. A second job in the same root would still
 undo all this (it removes the first's ``.partial`` as a leftover), so the
-first save also claims the root (see [Note: Checkpoint root claims] in
-``claim.py``).
+first save also claims the root (see [Note: Checkpoint root claims]).
 
 Rank 0 makes every change to the directory tree (the root is shared by all
 ranks, as DCP needs anyway to load at another world size). The other ranks
-learn the outcome in the same collective (:func:`agree`): a failure is one
+learn the outcome in the same collective (``fsdp2.agree``): a failure is one
 error, raised on every rank, never a hang.
+
+[Note: Checkpoint root claims]
+Rank 0 claims the root at its job's first save, before anything is written:
+``.fsdp2-owner.json``, a claim file (see [Note: Claim files] in
+``fsdp2/claim_file.py``, which also decides when an old claim's job is
+gone). A root claimed by another live job is a :class:`CheckpointLockedError`
+on every rank (the other ranks learn it in the same agreement (``fsdp2.agree``) as the rest
+of the preparation); a gone job's claim is replaced. The token is the
+process's: every save of one job is the same owner, and a forked process is
+another job. The owner removes its claims when it exits normally.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
-from collections.abc import Callable
+import uuid
 from pathlib import Path
-from typing import Any, TypeVar
 
-import torch.distributed as dist
-
-from .claim import claim
-from .errors import CheckpointError
+from ..claim_file import ClaimFile, Owner, OwnerStatus
+from .errors import CheckpointLockedError
 from .integrity import METADATA
 
+CLAIM = ".fsdp2-owner.json"
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.step-(\d+)\.(partial|old|deleting)$")
 
-_T = TypeVar("_T")
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -75,47 +82,52 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
-def agree(
-    what: str, key: Any, action: Callable[[], _T], group: Any = None, hint: str = ""
-) -> _T:
-    """Run ``action`` on rank 0 of ``group``; every rank returns its result or raises its error.
+def claim_root(root: Path) -> None:
+    """Rank 0, before its first write into ``root``: make this job the root's owner."""
+    root = root.resolve()
+    if root in _claims:
+        return
+    claim = ClaimFile(root / CLAIM, _token)
+    claim.take(lambda owner: _locked(root, claim.path, owner))
+    _claims[root] = claim
 
-    Collective: every rank also contributes ``key`` (the arguments that must
-    match, e.g. the step), and a mismatch is a ``ValueError`` on every rank.
-    An error of ``action`` is a :class:`CheckpointError` (a ``RuntimeError``;
-    its own class if it was one) on every rank: ``what``, the error, then
-    ``hint`` (how to fix it).
-    """
-    outcome: tuple[str, Any] | None = None
-    distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank(group) == 0:
-        try:
-            outcome = ("ok", action())
-        except Exception as exc:  # noqa: BLE001 - sent to every rank below
-            cls = type(exc) if isinstance(exc, CheckpointError) else CheckpointError
-            outcome = ("error", (cls, f"{type(exc).__name__}: {exc}"))
-    if not distributed:
-        gathered = [(key, outcome)]
-    else:
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (key, outcome), group=group)
-    keys = [k for k, _ in gathered]
-    if any(k != keys[0] for k in keys):
-        listed = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-        raise ValueError(f"{what}: the ranks passed different arguments ({listed}); "
-                         "every rank must make the same call")
-    status, value = gathered[0][1]
-    if status == "error":
-        cls, text = value
-        raise cls(f"{what}: {text}{hint}")
-    return value
+
+def _locked(root: Path, path: Path, owner: Owner) -> CheckpointLockedError | None:
+    if owner.status is OwnerStatus.GONE:
+        return None
+    return CheckpointLockedError(
+        f"{root} belongs to another job that is still running (host {owner.host}, pid "
+        f"{owner.pid}; claim file {path}). Save to another root; if that job is gone (e.g. it "
+        "ran on another host), delete the claim file"
+    )
+
+
+# One token per process: every save of a job is the same owner (see [Note: Checkpoint root claims]).
+_token = uuid.uuid4().hex
+_claims: dict[Path, ClaimFile] = {}
+
+
+def _forget_in_child() -> None:
+    # A forked process is another job's rank (or a test's): its own token, no claims.
+    global _token
+    _token = uuid.uuid4().hex
+    _claims.clear()
+
+
+@atexit.register
+def _release_claims() -> None:
+    for claim in _claims.values():
+        claim.release()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def prepare(final: Path, owned_root: bool = False) -> None:
     """Rank 0, before the write: the root exists (claimed if ``owned_root``), no leftover remains."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if owned_root:
-        claim(final.parent)
+        claim_root(final.parent)
     for leftover in (partial_dir(final), _old_dir(final)):
         if leftover.exists():
             shutil.rmtree(leftover)

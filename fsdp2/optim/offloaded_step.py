@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
+from ..agree import agree
 from ..api import OptimizerOffloadPolicy
 from .flat_step import ELEMENTWISE_OPTIMIZERS, steps_flat
 from .state_store import DiskStore, HostStore, StoreError, UnitLayout, release_free_heap
@@ -234,24 +235,8 @@ def _make_store(policy: OptimizerOffloadPolicy, layouts: list[UnitLayout]) -> Ho
 
 def _agree_on_store(make: Any) -> HostStore | DiskStore:
     """Make the store on every rank, or raise the same ``StoreError`` on every rank."""
-    store, error = None, None
-    try:
-        store = make()
-    except StoreError as e:
-        error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if bad and error is None:
-            store.close()
-            rank, first = bad[0]
-            raise StoreError(f"rank {rank}: {first}")
-        if bad:
-            raise StoreError(error)
-    elif error is not None:
-        raise StoreError(error)
-    return store
+    return agree("Cannot keep the optimizer state in its store", make, every_rank=True,
+                 error_type=StoreError, undo=lambda store: store.close())
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:

@@ -31,7 +31,8 @@ rewrites the files before using them, so nothing a killed run left behind is
 ever read as state. Each rank's folder holds an ``OWNER`` claim (host, pid,
 the model's layout fingerprint): a second live job (or optimizer) on the same
 folder, or files of another model, is refused with the path to clean up; a
-claim whose process is gone is taken over.
+claim whose process is gone (dead, a zombie, or its pid reused) is taken over,
+by the rule of [Note: Claim files] in ``fsdp2/claim_file.py``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import json
 import os
-import socket
 import threading
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..claim_file import ClaimFile, Owner, OwnerStatus
 
 __all__ = ["DiskStore", "HostStore", "Slot", "StoreError", "UnitLayout", "release_free_heap"]
 
@@ -146,9 +148,8 @@ class DiskStore:
     ) -> None:
         self._layouts = layouts
         self.folder = Path(directory) / f"rank{rank:05d}"
-        self._token = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
+        self._token = uuid.uuid4().hex  # this store's: a second optimizer in this process is refused
         self._fingerprint = fingerprint(layouts)
-        self._claimed = False
         self._claim()
         self._paths = [
             {dt: self.folder / f"unit{i:05d}-{str(dt).removeprefix('torch.')}.bin" for dt in layout.numel}
@@ -177,49 +178,35 @@ class DiskStore:
                 f"Optimizer state directory {self.folder} is not writable ({e}); pass a "
                 "directory this job can create files in"
             ) from e
-        record = {
-            "host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
-            "fingerprint": self._fingerprint,
-        }
-        for _ in range(2):
-            try:
-                fd = os.open(self.owner_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                self._check_stale_claim()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            self._claimed = True
-            return
-        raise StoreError(f"Could not claim {self.owner_file}: another job keeps claiming it")
-
-    def _check_stale_claim(self) -> None:
-        """Remove a claim whose process is gone; raise for a live one or another model's files."""
+        self._claim_file = ClaimFile(self.owner_file, self._token, fingerprint=self._fingerprint)
         try:
-            owner = json.loads(self.owner_file.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError):
-            owner = {}
-        host, pid = owner.get("host"), owner.get("pid")
-        if host == socket.gethostname() and isinstance(pid, int) and _alive(pid):
-            raise StoreError(
-                f"Optimizer state directory {self.folder} is in use by a live process (pid {pid} "
-                f"on {host}, {self.owner_file}); give each job (and each optimizer) a directory "
-                "of its own"
+            self._claim_file.take(self._refuse)
+        except RuntimeError as e:
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"Could not claim {self.owner_file}: {e}") from e
+
+    def _refuse(self, owner: Owner) -> StoreError | None:
+        """A claim in place: a live job's, another host's, or another model's files are refused."""
+        if owner.status is OwnerStatus.LIVE:
+            return StoreError(
+                f"Optimizer state directory {self.folder} is in use by a live process (pid "
+                f"{owner.pid} on {owner.host}, {self.owner_file}); give each job (and each "
+                "optimizer) a directory of its own"
             )
-        if host not in (None, socket.gethostname()):
-            raise StoreError(
-                f"Optimizer state directory {self.folder} is claimed by host {host} (pid {pid}); "
-                f"if that job is gone, delete {self.owner_file}, else use another directory"
+        if owner.status is OwnerStatus.ELSEWHERE:
+            return StoreError(
+                f"Optimizer state directory {self.folder} is claimed by host {owner.host} (pid "
+                f"{owner.pid}); if that job is gone, delete {self.owner_file}, else use another "
+                "directory"
             )
-        if owner.get("fingerprint") not in (None, self._fingerprint):
-            raise StoreError(
+        if owner.record.get("fingerprint") not in (None, self._fingerprint):
+            return StoreError(
                 f"Optimizer state directory {self.folder} holds the state files of another model "
                 f"or optimizer ({self.owner_file} records a different layout); pass an empty "
                 "directory, or delete that folder if its state is no longer needed"
             )
-        self.owner_file.unlink(missing_ok=True)
+        return None
 
     # ---- space ------------------------------------------------------------------
 
@@ -289,24 +276,7 @@ class DiskStore:
     def close(self) -> None:
         self.wait()
         self._writer.shutdown(wait=True)
-        if self._claimed:
-            try:
-                owner = json.loads(self.owner_file.read_text())
-                if owner.get("token") == self._token:
-                    self.owner_file.unlink()
-            except (OSError, ValueError):
-                pass
-            self._claimed = False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        self._claim_file.release()
 
 
 def release_free_heap() -> None:
