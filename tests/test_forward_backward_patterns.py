@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _impl import fully_shard, register_fsdp_forward_method
+from _impl import fsdp2_only, fully_shard, register_fsdp_forward_method
 from _multiproc import run_ranks
-from checks import ATOL, RTOL, assert_sharded, count_collectives, make_opts
+from checks import ATOL, RTOL, assert_sharded, count_collectives, make_opts, train_steps
 from models import (
     MLP,
     assert_grads_match,
@@ -176,3 +176,28 @@ def _generate_body(rank, world_size):
 def test_register_fsdp_forward_method_generate(world_size):
     """A registered generate() (layers and root params outside forward) matches the reference, grads too."""
     run_ranks(_generate_body, world_size)
+
+
+def _eval_then_train_body(rank, world_size, optimizer):
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[optimizer]
+    ref, model = make_pair(build_chain)
+    shard_chain(model, fully_shard, mesh=cpu_mesh())  # the root keeps its parameters (default)
+    x, _ = chain_batch(100, 2 * world_size)
+    with torch.no_grad():  # an evaluation pass before training, as most training loops do
+        torch.testing.assert_close(model(rank_slice((x,), rank, world_size)[0]),
+                                   ref(rank_slice((x,), rank, world_size)[0]))
+    batches = [chain_batch(i, 2 * world_size) for i in range(3)]
+    ref_losses, losses = train_steps(ref, model, batches, mlp_loss, rank, world_size,
+                                     (make(ref.parameters()), make(model.parameters())))
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    assert_params_match(ref, model)
+
+
+@fsdp2_only  # upstream's root keeps the parameters gathered under no_grad and trains on them stale
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_forward_under_no_grad_then_training(world_size, optimizer):
+    """An evaluation forward under ``no_grad`` first: every step's loss and parameter is the
+    unsharded model's (docs/differences.md, "Upstream bugs fsdp2 does not have")."""
+    run_ranks(_eval_then_train_body, world_size, optimizer)
