@@ -328,3 +328,37 @@ def record_collective_bytes():
 
     with on_collectives(record, TENSOR_COLLECTIVES):
         yield calls
+
+
+# ---------------------------------------------------------------- checkpoint runs
+
+CKPT_BATCH = 8
+
+
+def sharded_transformer(mesh, seed: int = 31):
+    """The checkpoint tests' model and optimizer: a sharded transformer with AdamW."""
+    from _impl import fully_shard
+    from models import build_transformer, shard_transformer
+
+    model = build_transformer(seed=seed)
+    shard_transformer(model, fully_shard, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_span(model, optim, first: int, last: int, rank, world_size, *, mean=False):
+    """Steps ``first+1 .. last``, each on its own batch; this rank's losses (or the global mean)."""
+    from models import transformer_batch, transformer_loss
+
+    batches = [transformer_batch(step, CKPT_BATCH) for step in range(first + 1, last + 1)]
+    return train_alone(model, batches, transformer_loss, rank, world_size, optim, mean=mean)
+
+
+def full_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (a collective), cloned."""
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def assert_full_equal(model: nn.Module, expected: dict[str, torch.Tensor], where: str = "") -> None:
+    """Every parameter of ``model`` equals ``expected``'s to the bit."""
+    for name, p in model.named_parameters():
+        assert torch.equal(full(p.detach()), expected[name]), f"{where}: {name} differs"

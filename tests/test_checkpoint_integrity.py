@@ -23,13 +23,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from _impl import fully_shard
 from _multiproc import run_ranks
-from checks import train_alone
-from models import build_transformer, cpu_mesh, full, shard_transformer, transformer_batch
-from models import transformer_loss as loss_of
+from checks import assert_full_equal, full_snapshot, sharded_transformer, train_span
+from models import build_transformer, cpu_mesh
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
@@ -42,31 +39,10 @@ from fsdp2 import (
     verify_checkpoint,
 )
 from fsdp2.checkpoint import step_dirs
-from fsdp2.checkpoint.step_dirs import CLAIM
 from fsdp2.checkpoint.integrity import MANIFEST
+from fsdp2.checkpoint.step_dirs import CLAIM
 
-_BATCH = 8
 _REPO = Path(__file__).resolve().parent.parent
-
-
-def _build(mesh, seed=31):
-    model = build_transformer(seed=seed)
-    shard_transformer(model, fully_shard, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _train(model, optim, first, last, rank, world_size):
-    batches = [transformer_batch(step, _BATCH) for step in range(first + 1, last + 1)]
-    train_alone(model, batches, loss_of, rank, world_size, optim)
-
-
-def _snapshot(model):
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-
-
-def _assert_equal(model, expected, where):
-    for name, p in model.named_parameters():
-        assert torch.equal(full(p.detach()), expected[name]), f"{where}: {name} differs"
 
 
 # ---------------------------------------------------------------- the damage kinds
@@ -118,13 +94,13 @@ DAMAGE = {
 
 def _damage_body(rank, world_size, base):
     base = Path(base)
-    model, optim = _build(cpu_mesh())
-    _train(model, optim, 0, 7, rank, world_size)
+    model, optim = sharded_transformer(cpu_mesh())
+    train_span(model, optim, 0, 7, rank, world_size)
     save_checkpoint(base / "pristine", model, optim, step=7, keep=2)
-    at7 = _snapshot(model)
-    _train(model, optim, 7, 8, rank, world_size)
+    at7 = full_snapshot(model)
+    train_span(model, optim, 7, 8, rank, world_size)
     save_checkpoint(base / "pristine", model, optim, step=8, keep=2)
-    at8 = _snapshot(model)
+    at8 = full_snapshot(model)
     out = {}
     for kind, (damage, _) in DAMAGE.items():
         root = base / kind
@@ -132,16 +108,16 @@ def _damage_body(rank, world_size, base):
             shutil.copytree(base / "pristine", root)
             damage(root / "step-8")
         dist.barrier()
-        fresh, fresh_optim = _build(cpu_mesh(), seed=35)
+        fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=35)
         with pytest.raises(CheckpointDamagedError) as info:
             load_checkpoint(root / "step-8", fresh, fresh_optim)
         assert isinstance(info.value, Exception) and not fresh_optim.state
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert load_latest(root, fresh, fresh_optim) == 7, kind
-        _assert_equal(fresh, at7, f"{kind}: loaded")
-        _train(fresh, fresh_optim, 7, 8, rank, world_size)
-        _assert_equal(fresh, at8, f"{kind}: resumed")  # as if nothing had happened
+        assert_full_equal(fresh, at7, f"{kind}: loaded")
+        train_span(fresh, fresh_optim, 7, 8, rank, world_size)
+        assert_full_equal(fresh, at8, f"{kind}: resumed")  # as if nothing had happened
         out[kind] = (str(info.value), [str(w.message) for w in caught])
     # a checkpoint written before checksums (no manifest) still loads
     legacy = base / "legacy"
@@ -149,9 +125,9 @@ def _damage_body(rank, world_size, base):
         shutil.copytree(base / "pristine", legacy)
         (legacy / "step-8" / MANIFEST).unlink()
     dist.barrier()
-    fresh, fresh_optim = _build(cpu_mesh(), seed=36)
+    fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=36)
     assert load_latest(legacy, fresh, fresh_optim) == 8
-    _assert_equal(fresh, at8, "legacy")
+    assert_full_equal(fresh, at8, "legacy")
     return out
 
 
@@ -186,7 +162,7 @@ def test_every_damage_kind_is_detected_and_load_latest_resumes_from_the_intact_s
 
 
 def _every_step_damaged_body(rank, world_size, root):
-    model, optim = _build(cpu_mesh())
+    model, optim = sharded_transformer(cpu_mesh())
     save_checkpoint(root, model, optim, step=1)
     if rank == 0:
         (Path(root) / "step-1" / "__1_0.distcp").unlink()
@@ -205,23 +181,23 @@ def test_load_latest_raises_when_every_step_is_damaged(tmp_path):
 
 def _hsdp_body(rank, world_size, root):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    model, optim = _build(mesh)
-    _train(model, optim, 0, 1, rank, world_size)
+    model, optim = sharded_transformer(mesh)
+    train_span(model, optim, 0, 1, rank, world_size)
     save_checkpoint(root, model, optim, step=1)
-    at1 = _snapshot(model)
-    _train(model, optim, 1, 2, rank, world_size)
+    at1 = full_snapshot(model)
+    train_span(model, optim, 1, 2, rank, world_size)
     save_checkpoint(root, model, optim, step=2, async_save=True).result()
-    at2 = _snapshot(model)
+    at2 = full_snapshot(model)
     if rank == 0:
         _flip(Path(root) / "step-2")
     dist.barrier()
-    fresh, fresh_optim = _build(mesh, seed=35)
+    fresh, fresh_optim = sharded_transformer(mesh, seed=35)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert load_latest(root, fresh, fresh_optim) == 1
-    _assert_equal(fresh, at1, "loaded")
-    _train(fresh, fresh_optim, 1, 2, rank, world_size)
-    _assert_equal(fresh, at2, "resumed")
+    assert_full_equal(fresh, at1, "loaded")
+    train_span(fresh, fresh_optim, 1, 2, rank, world_size)
+    assert_full_equal(fresh, at2, "resumed")
     return [str(w.message) for w in caught]
 
 
@@ -270,7 +246,7 @@ def _start_job(tmp_path, root):
 
 
 def _second_job_body(rank, world_size, root):
-    model, optim = _build(cpu_mesh())
+    model, optim = sharded_transformer(cpu_mesh())
     try:
         save_checkpoint(root, model, optim, step=5)
     except CheckpointLockedError as exc:

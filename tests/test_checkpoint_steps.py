@@ -17,16 +17,18 @@ from concurrent.futures import Future
 import pytest
 import torch
 import torch.distributed as dist
-from _impl import fully_shard
 from _multiproc import RankError, run_ranks
-from checks import ATOL, RTOL, train_alone
+from checks import (
+    ATOL,
+    RTOL,
+    assert_full_equal,
+    full_snapshot,
+    sharded_transformer,
+    train_span,
+)
 from models import (
     build_transformer,
     cpu_mesh,
-    full,
-    shard_transformer,
-    transformer_batch,
-    transformer_loss,
 )
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,33 +37,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp2 import CheckpointError, load_checkpoint, load_latest, save_checkpoint
 from fsdp2.checkpoint.step_dirs import CLAIM
 
-_BATCH = 8  # divides over 1, 2 and 4 ranks
-
 
 def _names(root):
     """The entries of a checkpoint root, less this job's claim file (see test_checkpoint_lock)."""
     return sorted(n for n in os.listdir(root) if n != CLAIM)
-
-
-def _build(mesh, seed=31):
-    model = build_transformer(seed=seed)
-    shard_transformer(model, fully_shard, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _train_span(model, optim, first, last, rank, world_size, mean=False):
-    """Steps first+1 .. last, each on its own batch; this rank's losses (or the global mean)."""
-    batches = [transformer_batch(step, _BATCH) for step in range(first + 1, last + 1)]
-    return train_alone(model, batches, transformer_loss, rank, world_size, optim, mean=mean)
-
-
-def _snapshot(model):
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-
-
-def _assert_params_equal(model, expected):
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(full(p.detach()), expected[name], rtol=0, atol=0, msg=name)
 
 
 def _barrier_then(rank, fn):
@@ -88,12 +67,12 @@ def _gate_writes():
 
 
 def _keep_body(rank, world_size, root):
-    model, optim = _build(cpu_mesh())
+    model, optim = sharded_transformer(cpu_mesh())
     assert load_latest(root, model, optim) is None  # no root yet: nothing to load
     snapshots, previous = {}, None
     for step in range(1, 6):
-        _train_span(model, optim, step - 1, step, rank, world_size)
-        snapshots[step] = _snapshot(model)
+        train_span(model, optim, step - 1, step, rank, world_size)
+        snapshots[step] = full_snapshot(model)
         gate = _gate_writes() if step == 5 else None
         pending = save_checkpoint(root, model, optim, step=step, keep=2, extra={"note": step},
                                   async_save=step % 2 == 1)
@@ -104,16 +83,16 @@ def _keep_body(rank, world_size, root):
     # the call returned before step 5 was written; training changes the parameters, then
     # the write goes on: it must write the copy taken at the call
     assert not pending.done()
-    _train_span(model, optim, 5, 6, rank, world_size)
+    train_span(model, optim, 5, 6, rank, world_size)
     gate.set()
     assert pending.result() == os.path.join(root, "step-5")
     assert _names(root) == ["step-4", "step-5"], os.listdir(root)
 
-    fresh, fresh_optim = _build(cpu_mesh(), seed=32)
+    fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=32)
     extra = {"note": 0}
     assert load_latest(root, fresh, fresh_optim, extra=extra) == 5
     assert extra["note"] == 5
-    _assert_params_equal(fresh, snapshots[5])  # what was there at the call, bit for bit
+    assert_full_equal(fresh, snapshots[5])  # what was there at the call, bit for bit
 
     # a folder without DCP's metadata (a save that did not finish) never loads
     _barrier_then(rank, lambda: os.remove(os.path.join(root, "step-5", ".metadata")))
@@ -122,7 +101,7 @@ def _keep_body(rank, world_size, root):
         load_checkpoint(os.path.join(root, "step-5"), fresh, fresh_optim)
     assert load_latest(root, fresh, fresh_optim, extra=extra) == 4
     assert extra["note"] == 4
-    _assert_params_equal(fresh, snapshots[4])
+    assert_full_equal(fresh, snapshots[4])
 
 
 def test_keep_last_k_load_latest_and_async_saves(tmp_path):
@@ -167,31 +146,31 @@ _KILL_POINTS = {
 
 
 def _uninterrupted_body(rank, world_size):
-    model, optim = _build(cpu_mesh())
-    return _train_span(model, optim, 0, 6, rank, world_size)
+    model, optim = sharded_transformer(cpu_mesh())
+    return train_span(model, optim, 0, 6, rank, world_size)
 
 
 def _killed_body(rank, world_size, root, point):
     victim, method, async_save = _KILL_POINTS[point]
-    model, optim = _build(cpu_mesh())
-    _train_span(model, optim, 0, 2, rank, world_size)
+    model, optim = sharded_transformer(cpu_mesh())
+    train_span(model, optim, 0, 2, rank, world_size)
     save_checkpoint(root, model, optim, step=2)
-    _train_span(model, optim, 2, 4, rank, world_size)
+    train_span(model, optim, 2, 4, rank, world_size)
     if rank == victim:
         _kill_self_after(FileSystemWriter, method)
     pending = save_checkpoint(root, model, optim, step=4, async_save=async_save)
-    _train_span(model, optim, 4, 5, rank, world_size)
+    train_span(model, optim, 4, 5, rank, world_size)
     if pending is not None:
         pending.result()
 
 
 def _resume_body(rank, world_size, root):
-    model, optim = _build(cpu_mesh(), seed=33)
+    model, optim = sharded_transformer(cpu_mesh(), seed=33)
     assert load_latest(root, model, optim) == 2  # the killed step 4 is not a checkpoint
-    losses = _train_span(model, optim, 2, 4, rank, world_size)
+    losses = train_span(model, optim, 2, 4, rank, world_size)
     save_checkpoint(root, model, optim, step=4, keep=2)  # over the killed save's leftovers
     assert _names(root) == ["step-2", "step-4"], os.listdir(root)
-    return losses + _train_span(model, optim, 4, 6, rank, world_size)
+    return losses + train_span(model, optim, 4, 6, rank, world_size)
 
 
 _uninterrupted: list = []
@@ -218,20 +197,20 @@ def test_a_rank_killed_mid_save_resumes_from_the_previous_step(tmp_path, point):
 
 def _hsdp_save_body(rank, world_size, root):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    model, optim = _build(mesh)
-    _train_span(model, optim, 0, 2, rank, world_size)
-    saved = _snapshot(model)
+    model, optim = sharded_transformer(mesh)
+    train_span(model, optim, 0, 2, rank, world_size)
+    saved = full_snapshot(model)
     pending = save_checkpoint(root, model, optim, step=2, keep=1, async_save=True)
-    losses = _train_span(model, optim, 2, 4, rank, world_size, mean=True)
+    losses = train_span(model, optim, 2, 4, rank, world_size, mean=True)
     pending.result()
     return saved, losses
 
 
 def _fsdp_resume_body(rank, world_size, root, saved, uninterrupted):
-    model, optim = _build(cpu_mesh(), seed=34)
+    model, optim = sharded_transformer(cpu_mesh(), seed=34)
     assert load_latest(root, model, optim) == 2
-    _assert_params_equal(model, saved)
-    losses = _train_span(model, optim, 2, 4, rank, world_size, mean=True)
+    assert_full_equal(model, saved)
+    losses = train_span(model, optim, 2, 4, rank, world_size, mean=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted),
                                rtol=RTOL, atol=ATOL)
 
@@ -247,11 +226,11 @@ def test_async_hsdp_save_at_4_ranks_resumes_at_2(tmp_path):
 
 
 def _errors_body(rank, world_size, root, blocked):
-    model, optim = _build(cpu_mesh())
-    _train_span(model, optim, 0, 1, rank, world_size)
+    model, optim = sharded_transformer(cpu_mesh())
+    train_span(model, optim, 0, 1, rank, world_size)
     save_checkpoint(root, model, optim, step=1)
-    kept = _snapshot(model)
-    _train_span(model, optim, 1, 2, rank, world_size)
+    kept = full_snapshot(model)
+    train_span(model, optim, 1, 2, rank, world_size)
     messages = []
 
     original = FileSystemWriter.write_data
@@ -283,9 +262,9 @@ def _errors_body(rank, world_size, root, blocked):
             save_checkpoint(root, model, optim, **kwargs)
         messages.append(str(info.value))
 
-    fresh, fresh_optim = _build(cpu_mesh(), seed=35)
+    fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=35)
     assert load_latest(root, fresh, fresh_optim) == 1
-    _assert_params_equal(fresh, kept)
+    assert_full_equal(fresh, kept)
     return messages
 
 
@@ -324,12 +303,12 @@ def _readme_blocks():
 
 def _readme_body(rank, world_size, workdir, num_steps):
     os.chdir(workdir)  # the second block saves to a relative path
-    model, optim = _build(cpu_mesh())
+    model, optim = sharded_transformer(cpu_mesh())
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: 1.0 / (1 + i))
     losses = []
 
     def train_step(step):
-        losses.extend(_train_span(model, optim, step - 1, step, rank, world_size))
+        losses.extend(train_span(model, optim, step - 1, step, rank, world_size))
         sched.step()
 
     first, second = _readme_blocks()[:2]
@@ -373,7 +352,7 @@ def test_one_process_without_a_process_group(tmp_path):
 
 
 def _async_save_body(rank, world_size, root):
-    model, optim = _build(cpu_mesh())
+    model, optim = sharded_transformer(cpu_mesh())
     return save_checkpoint(root, model, optim, step=1, async_save=True).result()
 
 

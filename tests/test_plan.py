@@ -24,7 +24,6 @@ import warnings
 import pytest
 import torch
 from _impl import IMPL
-from _multiproc import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -138,18 +137,15 @@ def _fsdp_mem_tracker_peak(world_size: int) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-_RESULTS: dict = {}
-
-
-def _results(world_size: int) -> dict:
-    if world_size not in _RESULTS:
-        measured = run_ranks(_measure, world_size, list(CASES))[0]
-        rows = {"FSDPMemTracker": measured.get("FSDPMemTracker")}
-        for name in CASES:
-            p = plan(_config(name, world_size))
-            rows[name] = {"predicted": p, "measured": measured[name]}
-        _RESULTS[world_size] = rows
-    return _RESULTS[world_size]
+def _results(launch_cases, world_size: int) -> dict:
+    """Measured (one launch per world size, shared by this module's tests) and predicted rows."""
+    ok, outcome = launch_cases.run(_measure, world_size, list(CASES))
+    assert ok, outcome
+    measured = outcome[0]
+    rows = {"FSDPMemTracker": measured.get("FSDPMemTracker")}
+    for name in CASES:
+        rows[name] = {"predicted": plan(_config(name, world_size)), "measured": measured[name]}
+    return rows
 
 
 def _kinds(comm: dict) -> dict:
@@ -162,9 +158,9 @@ def _kinds(comm: dict) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_predicted_peak_and_bytes_match_real_runs(world_size):
+def test_predicted_peak_and_bytes_match_real_runs(launch_cases, world_size):
     """Predicted peak within 10% of a real gloo run's, predicted bytes equal to counted bytes."""
-    rows = _results(world_size)
+    rows = _results(launch_cases, world_size)
     print(f"\n{IMPL}, W={world_size}: model | predicted peak | measured peak | ratio | "
           "predicted bytes | counted bytes")
     failures = []
@@ -182,9 +178,11 @@ def test_predicted_peak_and_bytes_match_real_runs(world_size):
     assert not failures, "\n".join(failures)
 
 
-def test_peak_matches_upstream_fsdp_mem_tracker():
+def test_peak_matches_upstream_fsdp_mem_tracker(launch_cases):
     """On upstream's fully_shard (where FSDPMemTracker applies) its peak and the plan's agree within 10%."""
-    measured = _results(2)["FSDPMemTracker"]
+    ok, outcome = launch_cases.run(_measure, 2, list(CASES))
+    assert ok, outcome
+    measured = outcome[0]["FSDPMemTracker"]
     predicted = plan(_config("demo", 2).with_(implementation="torch")).peak_bytes_per_rank
     print(f"\nFSDPMemTracker, demo, W=2: predicted {predicted:,} vs tracker {measured:,} "
           f"({predicted / measured:.3f})")
