@@ -570,7 +570,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     if modules:
         first, *others = (module._fsdp_state() for module in modules)
         for state in others:
-            state.share_iter_ctx(first)
+            state.share_comm_ctx(first)
 
 
 def _check_bool(value: Any, method: str, name: str) -> None:

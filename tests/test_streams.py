@@ -7,7 +7,6 @@ fsdp2/runtime/streams.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -15,12 +14,12 @@ import torch
 import torch.distributed as dist
 from checks import assert_grads_match, check_case
 from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
-from stream_checker import StreamChecker, skipped
+from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
-from fsdp2.runtime import streams
+from fsdp2.runtime import comm_context
 from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 
 STEPS = 3
@@ -68,9 +67,9 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
     if compiled:  # compile outside the checker; under it the compiled block runs
         mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
         model.zero_grad()
-    checker = StreamChecker()
+    checker = StreamChecker(skip=edge)
     seen = []
-    with checker, skipped(edge) if edge else contextlib.nullcontext():
+    with checker:
         if hook_stream:
             # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
             stream = None if mesh is not None else checker.new_stream("hook")
@@ -150,7 +149,7 @@ SIGNATURE = {
 
 
 # At W=2; the post-forward shard's edge needs a smaller post-forward group (W=4 below).
-CAUGHT = [e for e in streams.EDGES if e != "post_forward_shard->all_gather"]
+CAUGHT = [e for e in comm_context.EDGES if e != "post_forward_shard->all_gather"]
 
 
 def _case(**kwargs):
@@ -245,29 +244,33 @@ def _profile(rank, world_size):
     return out
 
 
-# The ranges fsdp2 opens, by upstream's names (with the group's FQN, as upstream).
+# The ranges of one CPU training step, by upstream's names (with the group's FQN, as upstream).
 RANGES = (
     "FSDP::root_pre_forward", "FSDP::root_post_backward_callback", "FSDP::all_gather",
     "FSDP::all_gather_copy_out", "FSDP::pre_forward", "FSDP::post_forward",
     "FSDP::pre_backward", "FSDP::post_backward_reshard", "FSDP::post_backward_reduce",
-    "FSDP::backward_prefetch",
+    "FSDP::post_backward_rs_wait", "FSDP::backward_prefetch",
 ) + (("FSDP::post_backward_accumulate",) if ACCUMULATE_PROFILER_RANGE else ())
 
 
 def test_profiler_ranges_have_upstreams_names(launch_cases):
+    """A CPU step opens exactly upstream's range kinds, each with upstream's group labels."""
     ok, per_rank = launch_cases.run(_profile, 2)
     assert ok, per_rank
     ours, theirs = per_rank[0]["ours"], per_rank[0]["upstream"]
     base = lambda k: k.split(" (")[0].split(" for ")[0]  # noqa: E731
-    mine = {k for k in theirs if base(k) in RANGES}
+    assert {base(k) for k in theirs} == set(RANGES), theirs  # the list is upstream's own
     assert {base(k) for k in ours} == set(RANGES), ours
-    assert set(ours) == mine, (sorted(set(ours) ^ mine), ours, theirs)
+    assert set(ours) == set(theirs), (sorted(set(ours) ^ set(theirs)), ours, theirs)
 
 
 def test_cpu_has_no_streams():
-    comm = streams.CommStreams()
-    comm.init(torch.device("cpu"))
-    assert not comm.active and comm.copy_in is None
+    """On CPU the comm context makes no streams, and holds no gradients of reductions."""
+    ctx = comm_context.CommContext()
+    ctx.init_streams(torch.device("cpu"))
+    assert not ctx.active and ctx.copy_in is None
+    ctx.hold_reduction([torch.ones(2)], None, offload=False)
+    assert [s.grads for s in ctx.reduce_scatter_states] == [[]]
 
 
 def _bounded(rank, world_size):
@@ -288,15 +291,15 @@ def _peaks(rank, world_size, prefetch):
 
     def tracked(kind, fn):
         def wrapper(*args, **kwargs):
-            comm = groups[0].ctx.comm
+            ctx = groups[0].comm_ctx
             if kind == "ag":
                 in_flight = [g for g in groups if g.step.pending_unshard is not None
                              or g.step.pending_staged is not None]
-                alive = 1 + len(in_flight) + (comm.all_gather_state is not None)
+                alive = 1 + len(in_flight) + (ctx.all_gather_state is not None)
                 busy = [g for g in groups if g.step.is_unsharded or g in in_flight]
                 peak["groups"] = max(peak["groups"], len(busy) + 1)
             else:
-                alive = 1 + (comm.reduce_scatter_state is not None)
+                alive = 1 + len(ctx.reduce_scatter_states)
             peak[kind] = max(peak[kind], alive)
             return fn(*args, **kwargs)
         return wrapper
@@ -319,7 +322,7 @@ def _peaks(rank, world_size, prefetch):
     finally:
         collectives.all_gather_output, collectives.reduce_scatter_input = originals
     assert checker.errors == [], checker.errors[:3]
-    assert groups[0].ctx.comm.active
+    assert groups[0].comm_ctx.active
     return peak
 
 

@@ -50,6 +50,7 @@ from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
 from ..versions import ACCUMULATE_IN_GRAD_DTYPE, ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
+from .comm_context import CommContext
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
 from .force_collectives import skips_collectives
@@ -57,9 +58,9 @@ from .group_settings import UnshardSettings
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
 from .mixed_precision import GroupDtypes, check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
 from .param import FSDPParam, ShardedState
+from .profiler_ranges import record_function
 from .reduction import GradientReduction
-from .step_state import IterContext, StepState, TrainingState
-from .streams import record_function
+from .step_state import PendingAllGather, StepState, TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class FSDPParamGroup:
         modules: tuple[nn.Module, ...],
         mesh_info: FSDPMeshInfo,
         device: torch.device,
+        comm_ctx: CommContext,
         reshard_after_forward: bool,
         post_forward_mesh_info: PostForwardMeshInfo | None = None,
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
@@ -98,7 +100,8 @@ class FSDPParamGroup:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.device = device
         self.settings = UnshardSettings(reshard_after_forward)
-        self.ctx = IterContext()  # the root's, from lazy init (set_iter_ctx)
+        # This call's own until the root's lazy init hands the root's (set_comm_ctx)
+        self.comm_ctx = comm_ctx
         self.step = StepState()
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
@@ -116,7 +119,7 @@ class FSDPParamGroup:
         self._gather = _GatherInput()
         self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather
         self.reduction = GradientReduction(
-            fsdp_params, mesh_info, device, lambda: self.dtypes,
+            fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
             alone=self.alone, offload=self.offload, pin_memory=pin_memory,
         )
 
@@ -139,10 +142,11 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.keep_unsharded_storage = keep
 
-    def set_iter_ctx(self, ctx: IterContext) -> None:
-        """Record the forward order into ``ctx`` (the root's, or one ``share_comm_ctx`` shares)."""
-        self.ctx = ctx
-        ctx.comm.init(self.device)
+    def set_comm_ctx(self, comm_ctx: CommContext) -> None:
+        """Use ``comm_ctx`` (the root's, or one ``share_comm_ctx`` shares), reduction included."""
+        self.comm_ctx = comm_ctx
+        self.reduction.set_comm_ctx(comm_ctx)
+        comm_ctx.init_streams(self.device)
 
     def set_fqns(self, module_fqns: dict[nn.Module, str]) -> None:
         """Name the group and its parameters by their FQNs under the root (lazy init)."""
@@ -295,7 +299,7 @@ class FSDPParamGroup:
         """All-gather the group's parameters; no-op if unsharded or in flight.
 
         ``on_comm_streams``: the hooks' all-gathers, which run on FSDP's
-        streams where there are any (see [Note: Streams] in streams.py); the
+        streams where there are any (see [Note: Streams] in comm_context.py); the
         user's ``unshard`` runs on the current stream, as upstream.
         """
         step = self.step
@@ -324,20 +328,20 @@ class FSDPParamGroup:
             dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
         else:
             dtype, shard_numel = self.dtypes.param or layout.dtype, layout.numel
-        comm = self.ctx.comm
-        streams = comm.active and on_comm_streams
+        ctx = self.comm_ctx
+        streams = ctx.active and on_comm_streams
         if streams:  # the stream's own wait orders the collective: see [Note: Streams]
-            comm.release_all_gather()
+            ctx.release_all_gather()
             async_op = False
             # the kept post-forward shard was written ('cat') on the compute stream
-            comm.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
+            ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
         with record_function("FSDP::all_gather", self.module_fqn):
             if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
                 )
-            with comm.use(comm.copy_in if streams else None):
+            with ctx.use(ctx.copy_in if streams else None):
                 if len(self.fsdp_params) != 1:
                     output = collectives.all_gather_output(
                         self.fsdp_params, shard_numel, world_size, dtype, self.device
@@ -353,22 +357,22 @@ class FSDPParamGroup:
                             output, ag_input, self.mesh_info.shard_mesh_rank, self._flat.pin_memory
                         )
             if streams:
-                comm.wait_stream(None, comm.all_gather, comm.copy_in)
-            with comm.use(comm.all_gather if streams else None):
+                ctx.wait_stream(None, ctx.all_gather, ctx.copy_in)
+            with ctx.use(ctx.all_gather if streams else None):
                 work = collectives.all_gather(output, ag_input, group, async_op)
-            step.unshard_event = comm.record(comm.all_gather) if streams else None
-        step.pending_unshard = (work, output, ag_input)
+            step.unshard_event = ctx.record(ctx.all_gather) if streams else None
+        step.pending_unshard = PendingAllGather(work, output, ag_input)
         if not async_op and not streams:
             self.wait_for_unshard()
 
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
-        comm = self.ctx.comm
-        if comm.active and on_comm_streams:  # copy-in and collective on the copy-in stream
-            comm.release_all_gather()
-            with comm.use(comm.copy_in):
+        ctx = self.comm_ctx
+        if ctx.active and on_comm_streams:  # copy-in and collective on the copy-in stream
+            ctx.release_all_gather()
+            with ctx.use(ctx.copy_in):
                 self._unshard_staged(True, on_comm_streams=False)
-                self.step.unshard_event = comm.record(comm.copy_in)
+                self.step.unshard_event = ctx.record(ctx.copy_in)
             return
         inputs = []
         for i, p in enumerate(self.fsdp_params):
@@ -404,8 +408,8 @@ class FSDPParamGroup:
         if staged.work is not None:
             staged.work.wait()
         event, self.step.unshard_event = self.step.unshard_event, None
-        comm = self.ctx.comm
-        comm.wait_event("all_gather->copy_out", comm.current() if event else None, event)
+        ctx = self.comm_ctx
+        ctx.wait_event("all_gather->copy_out", ctx.current() if event else None, event)
         staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             if p.extension is not None:
@@ -414,7 +418,7 @@ class FSDPParamGroup:
                 p.finish_copy_out()
             p.to_unsharded()
         if event is not None:  # held until the next all-gather, after this copy-out
-            comm.all_gather_state = (staged, comm.record())
+            ctx.hold_all_gather(staged)
         self.step.is_unsharded = True
 
     @outside_functorch
@@ -426,23 +430,22 @@ class FSDPParamGroup:
             return
         if step.pending_unshard is None:
             return
-        work, output, ag_input = step.pending_unshard
-        step.pending_unshard = None
-        if work is not None:
-            work.wait()
+        pending, step.pending_unshard = step.pending_unshard, None
+        if pending.work is not None:
+            pending.work.wait()
+        ctx = self.comm_ctx
         event, step.unshard_event = step.unshard_event, None
         if event is not None:  # issued on FSDP's streams
-            comm = self.ctx.comm
-            comm.wait_event("all_gather->copy_out", comm.current(), event)
+            ctx.wait_event("all_gather->copy_out", ctx.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
         with record_function("FSDP::all_gather_copy_out", self.module_fqn):
-            collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
+            collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
         if event is not None:  # dropped by the next all-gather, after this copy-out
-            comm.all_gather_state = ((output, ag_input), comm.record())
+            ctx.hold_all_gather(pending)
         step.is_unsharded = True
 
     @outside_functorch
@@ -456,14 +459,13 @@ class FSDPParamGroup:
                 staged.work.wait()
         event, step.unshard_event = step.unshard_event, None
         if event is not None:  # a prefetch never consumed: let it land before dropping it
-            comm = self.ctx.comm
-            comm.wait_event(None, comm.current(), event)
-            comm.wait_event(None, comm.copy_in, event)
+            ctx = self.comm_ctx
+            ctx.wait_event(None, ctx.current(), event)
+            ctx.wait_event(None, ctx.copy_in, event)
         if step.pending_unshard is not None:
-            work, _, _ = step.pending_unshard
-            step.pending_unshard = None
-            if work is not None:
-                work.wait()
+            pending, step.pending_unshard = step.pending_unshard, None
+            if pending.work is not None:
+                pending.work.wait()
             for p in self.fsdp_params:
                 p.free_unsharded()
         if not step.is_unsharded:
@@ -491,7 +493,7 @@ class FSDPParamGroup:
         kept = torch.cat(blocks, dim=1)
         self.reshard()
         self.step.post_forward_flat = kept.view(-1)
-        self.step.post_forward_event = self.ctx.comm.record()
+        self.step.post_forward_event = self.comm_ctx.record()
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 
@@ -518,7 +520,7 @@ class FSDPParamGroup:
         elif reshard or not grad_enabled:
             self.reshard()
         if grad_enabled:
-            order = self.ctx.post_forward_order
+            order = self.comm_ctx.post_forward_order
             self.step.post_forward_indices.append(len(order))
             order.append(self)
         self.step.training_state = TrainingState.IDLE
@@ -555,7 +557,7 @@ class FSDPParamGroup:
         index = indices.pop()
         if index == 0:
             return
-        target = self.ctx.post_forward_order[index - 1]
+        target = self.comm_ctx.post_forward_order[index - 1]
         if target is not self:
             target.prefetch(in_backward=True)
 
@@ -602,13 +604,14 @@ class FSDPParamGroup:
                     self.reshard()
         if not reduce_grads:
             return
+        # Bounds the gradients held by reductions in flight (every group, as upstream)
+        self.comm_ctx.make_room_for_reduction(fqn)
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
             with record_function("FSDP::post_backward_reduce", self.module_fqn):
                 self.reduction.reduce_scatter(
-                    with_grad, grads, filled, self.sharded_flat.device, self.module_fqn,
-                    self.ctx.comm,
+                    with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
                 )
 
     def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:
