@@ -28,7 +28,7 @@ STEPS = 3
 def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
-           keep_storage=False, **kwargs):
+           keep_storage=False, max_input_buffers=1, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -48,6 +48,8 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
             m.set_custom_all_gather(_AllGather())
     if finalize_async:
         model.set_manual_backward_finalization(True)
+    if max_input_buffers != 1:  # reductions in flight at once (read at lazy init)
+        model.set_reduce_scatter_max_input_buffers(max_input_buffers)
     if keep_storage:  # every unshard writes the memory the last step's compute read
         model.set_keep_unsharded_storage(True)
     if prefetch:
@@ -117,24 +119,28 @@ class _AllGather:
 
 def _planted(rank, world_size):
     out = {}
-    for edge in CAUGHT:
-        kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
-        errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
-                        **kwargs)
-        out[edge] = errors[:2]
-    out["none"] = _train(rank, world_size)
+    for buffers in (1, 2):  # one reduction in flight, or two (set_reduce_scatter_max_input_buffers)
+        for edge in CAUGHT:
+            kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
+            errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
+                            max_input_buffers=buffers, **kwargs)
+            out[buffers, edge] = errors[:2]
+        out[buffers, "none"] = _train(rank, world_size, max_input_buffers=buffers)
     return out
 
 
 def test_each_planted_missing_wait_is_caught(launch_cases):
+    """Every named wait left out is a race the checker reports, with 1 or 2 reductions in flight."""
     ok, per_rank = launch_cases.run(_planted, 2)
     assert ok, per_rank
     for rank, result in enumerate(per_rank):
-        assert result["none"] == [], f"rank {rank}: a race with every wait in place: {result['none']}"
-        for edge in CAUGHT:
-            errors = result[edge]
-            assert errors, f"rank {rank}: skipping the wait '{edge}' went unnoticed"
-            assert SIGNATURE[edge] in errors[0], (edge, errors[0])
+        for buffers in (1, 2):
+            none = result[buffers, "none"]
+            assert none == [], f"rank {rank}, {buffers}: a race with every wait in place: {none}"
+            for edge in CAUGHT:
+                errors = result[buffers, edge]
+                assert errors, f"rank {rank}, {buffers}: skipping '{edge}' went unnoticed"
+                assert SIGNATURE[edge] in errors[0], (buffers, edge, errors[0])
 
 
 # The race each skipped wait leaves, as the checker names it (first error).
@@ -179,6 +185,8 @@ MATRIX = {
     "compiled_block": _case(compiled=True),
     "custom_all_gather": _case(custom_all_gather=True),
     "keep_storage": _case(keep_storage=True),
+    "max_input_buffers_2": _case(max_input_buffers=2),
+    "max_input_buffers_3_offload": _case(max_input_buffers=3, offload_policy=CPUOffloadPolicy()),
 }
 
 
@@ -211,7 +219,27 @@ def _pipeline(rank, world_size):
     torch.testing.assert_close(params, want_params, rtol=0, atol=0)
 
 
-MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline}
+def _hook_stream_on_cpu(rank, world_size):
+    """As upstream's test: a stream is refused on a 2x2 HSDP mesh; on a 1-D mesh the hook
+    runs with its stream as the current one (CPU included, without FSDP streams)."""
+    device_module = torch.get_device_module("cpu")
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    model = build_chain()
+    shard_chain(model, fully_shard, mesh=mesh)
+    with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
+        model.set_all_reduce_hook(lambda t: None, stream=device_module.Stream())
+    stream, seen = device_module.Stream(), []
+    model = build_chain()
+    shard_chain(model, fully_shard)
+    model.set_all_reduce_hook(lambda t: seen.append(device_module.current_stream()),
+                              stream=stream)
+    mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+    assert seen and all(s is stream for s in seen), seen
+    assert device_module.current_stream() is not stream  # restored after the hook
+
+
+MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
+             "hook_stream_cpu": _hook_stream_on_cpu}
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX_W4))
@@ -280,10 +308,13 @@ def _bounded(rank, world_size):
     the backend may keep a finished collective's tensors a little longer (gloo's
     worker thread), which no stream ordering of ours governs.
     """
-    return {prefetch: _peaks(rank, world_size, prefetch) for prefetch in (False, True)}
+    return {
+        (prefetch, buffers): _peaks(rank, world_size, prefetch, buffers)
+        for prefetch in (False, True) for buffers in (1, 2)
+    }
 
 
-def _peaks(rank, world_size, prefetch):
+def _peaks(rank, world_size, prefetch, max_input_buffers):
     from fsdp2.runtime import collectives
 
     peak = {"ag": 0, "rs": 0, "groups": 0}
@@ -307,6 +338,7 @@ def _peaks(rank, world_size, prefetch):
     ref, model = make_pair(build_chain)
     shard_chain(model, fully_shard)
     groups = [m._fsdp_state().param_group for m in [*model.layers, model]]
+    model.set_reduce_scatter_max_input_buffers(max_input_buffers)
     if prefetch:
         layers = list(model.layers)
         for a, b in zip(layers, layers[1:]):
@@ -329,14 +361,17 @@ def _peaks(rank, world_size, prefetch):
 def test_memory_bounded_as_upstream(launch_cases):
     """Upstream's bound: the previous all-gather output is released (after the copy-in
     stream waited for its copy-out) before the next is allocated, so one output is
-    alive at a time; one reduce-scatter input (``reduce_scatter_max_input_buffers``
-    = 1); and at an all-gather's issue at most the root, the group being consumed
-    and the one in flight hold unsharded parameters (the Chain's root holds its head)."""
+    alive at a time; ``n`` reductions' buffers (``set_reduce_scatter_max_input_buffers(n)``,
+    n = 1 and 2: the (n+1)-th waits for the oldest), never more and, over the Chain's
+    five groups, reached; and at an all-gather's issue at most the root, the group being
+    consumed and the one in flight hold unsharded parameters (the root holds its head)."""
     ok, per_rank = launch_cases.run(_bounded, 2)
     assert ok, per_rank
     for peaks in per_rank:
         for prefetch in (False, True):
-            assert peaks[prefetch] == {"ag": 1, "rs": 1, "groups": 3}, (prefetch, peaks)
+            for buffers in (1, 2):
+                want = {"ag": 1, "rs": buffers, "groups": 3}
+                assert peaks[prefetch, buffers] == want, (prefetch, buffers, peaks)
 
 
 def test_checker_tracks_memory_not_storage_objects():
