@@ -73,8 +73,6 @@ from .._torch_compat import (
     functorch_active,
     in_backward,
     queue_backward_callback,
-    tree_flatten,
-    tree_unflatten,
 )
 from ..api import MixedPrecisionPolicy
 from .comm_context import CommContext
@@ -83,6 +81,7 @@ from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup
+from .post_backward_node import register_post_backward
 from .profiler_ranges import record_function
 from .shared_params import check_shared_params
 from .step_state import TrainingState
@@ -323,7 +322,7 @@ class FSDPState:
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
         if group is not None and torch.is_grad_enabled():
-            hooked = _register_post_backward(group, args, kwargs, use)
+            hooked = register_post_backward(group, args, kwargs, use)
             if hooked is None:
                 group.add_use_without_node(use)
             return hooked or cast
@@ -528,79 +527,6 @@ class FSDPState:
         ctx.callback_queued = False
         ctx.manual_active = None
         ctx.pending_reduction = None  # invalidates an outstanding GradientReductionHandle
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the group's forward inputs; its backward is the post-backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.use = group, use
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
-
-
-class _PostBackwardInTransform(torch.autograd.Function):
-    """``_PostBackward`` in the ``setup_context`` form (with vmap and forward-mode rules).
-
-    ``torch.func`` transforms need this form; see [Note: torch.func transforms]
-    in func_transforms.py. Only used while a transform runs: ``apply`` of this
-    form binds its arguments through ``inspect.signature`` (tens of us a call).
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        return inputs
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group, ctx.use = inputs[0], inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
-
-    @staticmethod
-    def jvp(  # type: ignore[override]
-        ctx: Any, _group: Any, _use: Any, *tangents: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        return tangents
-
-
-def _register_post_backward(
-    group: FSDPParamGroup,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    use: set[nn.Module] | None = None,
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hook the post-backward of this use on its inputs; ``None`` if none needs grad.
-
-    ``use``: the modules run in this use (groups of several), handed to the
-    post-backward; see [Note: Gradients of parameters used on some ranks].
-    """
-    flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
-    leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
-    positions = [
-        i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-    ]
-    if not positions:
-        return None
-    function = _PostBackwardInTransform if functorch_active() else _PostBackward
-    outputs = function.apply(group, use, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs, strict=True):
-        leaves[i] = out
-    return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
 
 
 def _register_state_dict_hooks(group: FSDPParamGroup) -> None:

@@ -40,7 +40,7 @@ these copies is a no-op and the code path is the same.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -48,30 +48,23 @@ import torch.nn as nn
 from .._torch_compat import local_tensor, outside_functorch
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE, ACCUMULATE_PROFILER_RANGE
+from ..versions import ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
 from .comm_context import CommContext
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
 from .force_collectives import skips_collectives
+from .gather_plan import plan_gather
 from .group_settings import UnshardSettings
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import GroupDtypes, check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
+from .mixed_precision import check_grad_dtypes, check_trainable_dtypes
 from .param import FSDPParam, ShardedState
+from .placement_checks import check_materialized, check_on_host
 from .profiler_ranges import record_function
 from .reduction import GradientReduction
 from .step_state import PendingAllGather, StepState, TrainingState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _GatherInput:
-    """Where unshard's all-gather input comes from; decided by ``_init_dtypes``."""
-
-    extensions: bool = False  # some parameters gather through all-gather extensions
-    copy_in: bool = False  # a cast or a move; otherwise the flat buffer is the input itself
-    partly_cast: bool = False  # some cast, others kept (param_dtype_override_fn): per parameter
 
 
 class FSDPParamGroup:
@@ -116,8 +109,7 @@ class FSDPParamGroup:
         pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         buffer_device = torch.device("cpu") if self.offload else device
         self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory)
-        self._gather = _GatherInput()
-        self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather
+        self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather (GatherPlan)
         self.reduction = GradientReduction(
             fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
             alone=self.alone, offload=self.offload, pin_memory=pin_memory,
@@ -164,49 +156,11 @@ class FSDPParamGroup:
         return self._flat.layout
 
     def _init_dtypes(self) -> None:
-        """Resolve the mixed precision dtypes and where the all-gather input comes from.
-
-        Runs at init and whenever the sharded parameters were replaced (their
-        dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
-        See [Note: Mixed precision cast points] in mixed_precision.py.
-        """
-        self._check_extensions()
-        layout = self.layout
-        # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
-        trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
-        fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
-        orig_dtype = trainable[0] if trainable else fallback
-        self.dtypes = GroupDtypes(orig_dtype, *resolve_dtypes(self.mp_policy, orig_dtype))
-        for p, dtype in zip(self.fsdp_params, layout.dtypes):
-            # floating ones only, unless param_dtype_override_fn kept the parameter's dtype
-            p.param_dtype = None if p.keeps_dtype else resolve_dtypes(self.mp_policy, dtype)[0]
-            p.unsharded_device = self.device if self.offload else None
-            if p.extension is not None:  # upstream resolves these per parameter
-                p.extension.mp_policy = self.mp_policy
-                p.extension.param_dtype = p.param_dtype or p.dtype
-        for p in self.fsdp_params:  # See [Note: Gradient accumulation dtype]
-            p.grad_dtype = self.dtypes.reduce if ACCUMULATE_IN_GRAD_DTYPE else None
-        cast = [p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0]
-        self._gather.copy_in = (self.offload and self.device.type != "cpu") or any(cast)
-        self._gather.partly_cast = any(cast) and not all(cast)
-        if self._gather.partly_cast and self.post_forward_mesh_info is not None:
-            kept = [p.fqn for p in self.fsdp_params if p.keeps_dtype]
-            raise FSDPNotImplementedError(
-                "reshard_after_forward=<int> is not supported with parameters that "
-                f"param_dtype_override_fn keeps in their own dtype ({', '.join(kept)}); pass "
-                "True or False, or shard those parameters' modules with their own fully_shard"
-            )
-
-    def _check_extensions(self) -> None:
-        """Which parameters gather through all-gather extensions (decided when adopted)."""
-        with_ext = [p.fqn for p in self.fsdp_params if p.extension is not None]
-        self._gather.extensions = bool(with_ext)
-        if with_ext and self.post_forward_mesh_info is not None:
-            # Upstream raises a bare NotImplementedError at the backward all-gather.
-            raise FSDPNotImplementedError(
-                "reshard_after_forward=<int> is not supported with all-gather extensions "
-                f"({', '.join(with_ext)}); pass True or False"
-            )
+        """Resolve the dtypes and the all-gather input; again whenever parameters are replaced."""
+        self.dtypes, self._gather = plan_gather(
+            self.fsdp_params, self.layout, self.mp_policy, self.device, self.offload,
+            self.post_forward_mesh_info is not None,
+        )
 
     def _slot(self, index: int) -> torch.Tensor:
         return self._flat.slot(index)
@@ -245,41 +199,12 @@ class FSDPParamGroup:
 
     def check_materialized(self) -> None:
         """Fail clearly, naming them, if any parameter is still on ``meta``."""
-        names = self._flat.names_on_meta()
-        if names:
-            where = f" of '{self.module_fqn}'" if self.module_fqn else ""
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}\n"
-                "For example, call module.to_empty(device) to materialize to device and "
-                "call module.reset_parameters() on each module to initialize values.\n"
-                f"These parameters{where} were never materialized: call "
-                "model.to_empty(device=...) and then initialize them (e.g. "
-                "reset_parameters() on each module), or load them with "
-                "load_state_dict(..., assign=True) / set_full_state_dict before the "
-                "first forward."
-            )
+        check_materialized(self._flat.names_on_meta(), self.module_fqn)
 
     def check_offloaded(self) -> None:
         """With CPU offload, fail clearly if any sharded parameter is not on the CPU."""
-        if not self.offload:
-            return
-        misplaced = [
-            (p.fqn, p.sharded_param.device)
-            for p in self.fsdp_params
-            if p.sharded_param.device.type != "cpu"
-        ]
-        if misplaced:
-            raise RuntimeError(
-                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
-                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
-                f"Found following parameters on non-CPU device: {misplaced}\n"
-                "CPUOffloadPolicy keeps sharded parameters on the CPU, but "
-                f"{'this one is' if len(misplaced) == 1 else 'these are'} not. "
-                'Materialize the model on the CPU (e.g. model.to_empty(device="cpu") and '
-                "initialize it, or load a CPU state dict); FSDP copies the shards to "
-                f"{self.device} for each all-gather."
-            )
+        if self.offload:
+            check_on_host(self.fsdp_params, self.device)
 
     # ---- unshard / reshard --------------------------------------------------
 
