@@ -20,10 +20,10 @@ from .api import (
 )
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .runtime.comm_context import CommContext
 from .runtime.dp_mesh_dims import (
     SpmdDims,
     SpmdLayout,
-    resolve_reshard_after_forward,
     spmd_dims_for,
     spmd_layout,
 )
@@ -158,11 +158,10 @@ def fully_shard(
                 "dp_mesh_dims names replicate dims only (DDP): nothing is sharded, so drop "
                 "shard_placement_fn"
             )
-        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, spmd)
     else:
         mesh_info = mesh_info_for(mesh)
     reshard_after_forward, post_forward = _resolve_reshard_after_forward(
-        reshard_after_forward, mesh_info
+        reshard_after_forward, mesh_info, spmd
     )
     device = device_for(mesh)
     ignored = set(ignored_params or ())
@@ -180,6 +179,7 @@ def fully_shard(
     else:
         spmd_meshes = _spmd_meshes(params, mesh)
     _move_buffers(modules, ignored, device)
+    comm_ctx = CommContext()  # this call's, until a root's lazy init shares the root's
     group = None
     if params:
         fsdp_params = [
@@ -197,6 +197,7 @@ def fully_shard(
             modules,
             mesh_info,
             device,
+            comm_ctx,
             reshard_after_forward=reshard_after_forward is not False,
             post_forward_mesh_info=post_forward,
             mp_policy=mp_policy,
@@ -205,6 +206,7 @@ def fully_shard(
     FSDPState(
         modules,
         group,
+        comm_ctx,
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
     )
@@ -256,9 +258,21 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
 
 
 def _resolve_reshard_after_forward(
-    value: Any, mesh_info: FSDPMeshInfo
+    value: Any, mesh_info: FSDPMeshInfo, spmd: SpmdDims | None
 ) -> tuple[bool | None, PostForwardMeshInfo | None]:
-    """Validate ``reshard_after_forward``; an int becomes ``True`` plus its smaller group."""
+    """Validate ``reshard_after_forward``; an int becomes ``True`` plus its smaller group.
+
+    With ``dp_mesh_dims`` (``spmd``), upstream's rules: nothing sharded (DDP)
+    keeps the parameters gathered, and an int is refused.
+    """
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if spmd is not None and not spmd.shard_indices:
+        return False, None
+    if spmd is not None and is_int:
+        raise FSDPNotImplementedError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
+            "pass True, False or None"
+        )
     if value is None or isinstance(value, bool):
         return value, None
     size = mesh_info.shard_mesh_size

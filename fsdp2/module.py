@@ -389,15 +389,14 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many reduce-scatter input buffers may be in flight at once (``>= 1``, default 1).
+        """How many reductions may be in flight at once, their buffers held (``>= 1``, default 1).
 
-        Upstream reduce-scatters on a stream of its own and recycles one input
-        buffer, so an exposed reduce-scatter can stall the next copy-in; more
-        buffers trade memory for that stall. fsdp2 reduce-scatters on the
-        current stream and frees each input buffer as soon as its collective
-        is queued, so no copy-in ever waits for a buffer: the value is checked
-        and kept (and refused above 1 with the symmetric-memory reduce-scatter,
-        as upstream), and changes nothing else.
+        Before a reduction the compute stream waits for the oldest in flight
+        until fewer than ``max_input_buffers`` remain, so more trades memory
+        for fewer stalls on an exposed reduce-scatter (accelerators; on CPU
+        nothing changes). As upstream, the root's first forward reads it, once,
+        as the largest value over its modules, and refuses more than 1 with the
+        symmetric-memory reduce-scatter.
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
@@ -570,7 +569,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     if modules:
         first, *others = (module._fsdp_state() for module in modules)
         for state in others:
-            state.share_iter_ctx(first)
+            state.share_comm_ctx(first)
 
 
 def _check_bool(value: Any, method: str, name: str) -> None:

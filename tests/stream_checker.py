@@ -1,8 +1,10 @@
 """A stream-order checker that runs on CPU: simulated streams, vector clocks, every op's accesses.
 
-``StreamChecker`` swaps simulated streams and events into fsdp2's stream layer
-(``fsdp2.runtime.streams._set_backend``), so ``CommStreams`` is active on CPU,
-and records, through a ``TorchDispatchMode``, which memory each op reads and
+``StreamChecker`` is a stream backend of simulated streams and events: while
+it is entered, fsdp2's comm contexts take it as their backend on CPU (it
+stands in for ``fsdp2.runtime.comm_context.stream_backend_for``, as it stands
+in for the collectives), so ``CommContext`` is active on CPU; every named wait
+goes through it, and it leaves out the one named by ``skip``. It records, through a ``TorchDispatchMode``, which memory each op reads and
 writes (its storages, from its schema's alias info, as torch's CUDA sanitizer
 does) on the stream it was issued on. Memory is tracked by address range, not
 by storage object: fsdp2's sharded parameters own DLPack storages over their
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.runtime import streams
+from fsdp2.runtime import comm_context
 
 
 class StreamOrderError(AssertionError):
@@ -109,9 +111,11 @@ class _Region:
 class StreamChecker(TorchDispatchMode):
     """Use as a context manager around training; ``errors`` lists the races found."""
 
-    def __init__(self, raise_first: bool = False) -> None:
+    def __init__(self, raise_first: bool = False, skip: str | None = None) -> None:
         super().__init__()
         self.raise_first = raise_first
+        assert skip is None or skip in comm_context.EDGES, skip
+        self.skip = skip  # the one named wait this backend leaves out
         self.errors: list[str] = []
         self._clocks: dict[int, dict[int, int]] = {}
         self.host: dict[int, int] = {}
@@ -152,6 +156,18 @@ class StreamChecker(TorchDispatchMode):
 
     def new_event(self) -> SimEvent:
         return SimEvent(self)
+
+    def wait_stream(self, edge: str | None, waiter: SimStream, waited: SimStream) -> None:
+        if edge is None or edge != self.skip:
+            waiter.wait_stream(waited)
+
+    def wait_event(self, edge: str | None, waiter: SimStream, event: SimEvent) -> None:
+        if edge is None or edge != self.skip:
+            waiter.wait_event(event)
+
+    def synchronize(self, edge: str | None, event: SimEvent) -> None:
+        if edge is None or edge != self.skip:
+            event.synchronize()
 
     def clock(self, stream: SimStream) -> dict[int, int]:
         return self._clocks[stream.id]
@@ -376,8 +392,9 @@ class StreamChecker(TorchDispatchMode):
 
     def __enter__(self):
         self._exit = contextlib.ExitStack()
-        previous = streams._set_backend(self)
-        self._exit.callback(streams._set_backend, previous)
+        original = comm_context.stream_backend_for
+        comm_context.stream_backend_for = lambda device: self
+        self._exit.callback(setattr, comm_context, "stream_backend_for", original)
         self._exit.enter_context(self._patched_collectives())
         return super().__enter__()
 
@@ -418,13 +435,3 @@ def _tensors(value) -> list[torch.Tensor]:
                 out.append(leaf)
     return out
 
-
-@contextlib.contextmanager
-def skipped(edge: str):
-    """Skip fsdp2's wait named ``edge`` (see ``streams.EDGES``) inside the block."""
-    assert edge in streams.EDGES, edge
-    streams._SKIPPED_EDGES.add(edge)
-    try:
-        yield
-    finally:
-        streams._SKIPPED_EDGES.discard(edge)

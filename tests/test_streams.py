@@ -7,7 +7,6 @@ fsdp2/runtime/streams.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -15,12 +14,12 @@ import torch
 import torch.distributed as dist
 from checks import assert_grads_match, check_case
 from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
-from stream_checker import StreamChecker, skipped
+from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
-from fsdp2.runtime import streams
+from fsdp2.runtime import comm_context
 from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 
 STEPS = 3
@@ -29,7 +28,7 @@ STEPS = 3
 def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
-           keep_storage=False, **kwargs):
+           keep_storage=False, max_input_buffers=1, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -49,6 +48,8 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
             m.set_custom_all_gather(_AllGather())
     if finalize_async:
         model.set_manual_backward_finalization(True)
+    if max_input_buffers != 1:  # reductions in flight at once (read at lazy init)
+        model.set_reduce_scatter_max_input_buffers(max_input_buffers)
     if keep_storage:  # every unshard writes the memory the last step's compute read
         model.set_keep_unsharded_storage(True)
     if prefetch:
@@ -68,9 +69,9 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
     if compiled:  # compile outside the checker; under it the compiled block runs
         mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
         model.zero_grad()
-    checker = StreamChecker()
+    checker = StreamChecker(skip=edge)
     seen = []
-    with checker, skipped(edge) if edge else contextlib.nullcontext():
+    with checker:
         if hook_stream:
             # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
             stream = None if mesh is not None else checker.new_stream("hook")
@@ -118,24 +119,28 @@ class _AllGather:
 
 def _planted(rank, world_size):
     out = {}
-    for edge in CAUGHT:
-        kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
-        errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
-                        **kwargs)
-        out[edge] = errors[:2]
-    out["none"] = _train(rank, world_size)
+    for buffers in (1, 2):  # one reduction in flight, or two (set_reduce_scatter_max_input_buffers)
+        for edge in CAUGHT:
+            kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
+            errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
+                            max_input_buffers=buffers, **kwargs)
+            out[buffers, edge] = errors[:2]
+        out[buffers, "none"] = _train(rank, world_size, max_input_buffers=buffers)
     return out
 
 
 def test_each_planted_missing_wait_is_caught(launch_cases):
+    """Every named wait left out is a race the checker reports, with 1 or 2 reductions in flight."""
     ok, per_rank = launch_cases.run(_planted, 2)
     assert ok, per_rank
     for rank, result in enumerate(per_rank):
-        assert result["none"] == [], f"rank {rank}: a race with every wait in place: {result['none']}"
-        for edge in CAUGHT:
-            errors = result[edge]
-            assert errors, f"rank {rank}: skipping the wait '{edge}' went unnoticed"
-            assert SIGNATURE[edge] in errors[0], (edge, errors[0])
+        for buffers in (1, 2):
+            none = result[buffers, "none"]
+            assert none == [], f"rank {rank}, {buffers}: a race with every wait in place: {none}"
+            for edge in CAUGHT:
+                errors = result[buffers, edge]
+                assert errors, f"rank {rank}, {buffers}: skipping '{edge}' went unnoticed"
+                assert SIGNATURE[edge] in errors[0], (buffers, edge, errors[0])
 
 
 # The race each skipped wait leaves, as the checker names it (first error).
@@ -150,7 +155,7 @@ SIGNATURE = {
 
 
 # At W=2; the post-forward shard's edge needs a smaller post-forward group (W=4 below).
-CAUGHT = [e for e in streams.EDGES if e != "post_forward_shard->all_gather"]
+CAUGHT = [e for e in comm_context.EDGES if e != "post_forward_shard->all_gather"]
 
 
 def _case(**kwargs):
@@ -180,6 +185,8 @@ MATRIX = {
     "compiled_block": _case(compiled=True),
     "custom_all_gather": _case(custom_all_gather=True),
     "keep_storage": _case(keep_storage=True),
+    "max_input_buffers_2": _case(max_input_buffers=2),
+    "max_input_buffers_3_offload": _case(max_input_buffers=3, offload_policy=CPUOffloadPolicy()),
 }
 
 
@@ -212,7 +219,27 @@ def _pipeline(rank, world_size):
     torch.testing.assert_close(params, want_params, rtol=0, atol=0)
 
 
-MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline}
+def _hook_stream_on_cpu(rank, world_size):
+    """As upstream's test: a stream is refused on a 2x2 HSDP mesh; on a 1-D mesh the hook
+    runs with its stream as the current one (CPU included, without FSDP streams)."""
+    device_module = torch.get_device_module("cpu")
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    model = build_chain()
+    shard_chain(model, fully_shard, mesh=mesh)
+    with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
+        model.set_all_reduce_hook(lambda t: None, stream=device_module.Stream())
+    stream, seen = device_module.Stream(), []
+    model = build_chain()
+    shard_chain(model, fully_shard)
+    model.set_all_reduce_hook(lambda t: seen.append(device_module.current_stream()),
+                              stream=stream)
+    mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
+    assert seen and all(s is stream for s in seen), seen
+    assert device_module.current_stream() is not stream  # restored after the hook
+
+
+MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
+             "hook_stream_cpu": _hook_stream_on_cpu}
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX_W4))
@@ -245,29 +272,33 @@ def _profile(rank, world_size):
     return out
 
 
-# The ranges fsdp2 opens, by upstream's names (with the group's FQN, as upstream).
+# The ranges of one CPU training step, by upstream's names (with the group's FQN, as upstream).
 RANGES = (
     "FSDP::root_pre_forward", "FSDP::root_post_backward_callback", "FSDP::all_gather",
     "FSDP::all_gather_copy_out", "FSDP::pre_forward", "FSDP::post_forward",
     "FSDP::pre_backward", "FSDP::post_backward_reshard", "FSDP::post_backward_reduce",
-    "FSDP::backward_prefetch",
+    "FSDP::post_backward_rs_wait", "FSDP::backward_prefetch",
 ) + (("FSDP::post_backward_accumulate",) if ACCUMULATE_PROFILER_RANGE else ())
 
 
 def test_profiler_ranges_have_upstreams_names(launch_cases):
+    """A CPU step opens exactly upstream's range kinds, each with upstream's group labels."""
     ok, per_rank = launch_cases.run(_profile, 2)
     assert ok, per_rank
     ours, theirs = per_rank[0]["ours"], per_rank[0]["upstream"]
     base = lambda k: k.split(" (")[0].split(" for ")[0]  # noqa: E731
-    mine = {k for k in theirs if base(k) in RANGES}
+    assert {base(k) for k in theirs} == set(RANGES), theirs  # the list is upstream's own
     assert {base(k) for k in ours} == set(RANGES), ours
-    assert set(ours) == mine, (sorted(set(ours) ^ mine), ours, theirs)
+    assert set(ours) == set(theirs), (sorted(set(ours) ^ set(theirs)), ours, theirs)
 
 
 def test_cpu_has_no_streams():
-    comm = streams.CommStreams()
-    comm.init(torch.device("cpu"))
-    assert not comm.active and comm.copy_in is None
+    """On CPU the comm context makes no streams, and holds no gradients of reductions."""
+    ctx = comm_context.CommContext()
+    ctx.init_streams(torch.device("cpu"))
+    assert not ctx.active and ctx.copy_in is None
+    ctx.hold_reduction([torch.ones(2)], None, offload=False)
+    assert [s.grads for s in ctx.reduce_scatter_states] == [[]]
 
 
 def _bounded(rank, world_size):
@@ -277,10 +308,13 @@ def _bounded(rank, world_size):
     the backend may keep a finished collective's tensors a little longer (gloo's
     worker thread), which no stream ordering of ours governs.
     """
-    return {prefetch: _peaks(rank, world_size, prefetch) for prefetch in (False, True)}
+    return {
+        (prefetch, buffers): _peaks(rank, world_size, prefetch, buffers)
+        for prefetch in (False, True) for buffers in (1, 2)
+    }
 
 
-def _peaks(rank, world_size, prefetch):
+def _peaks(rank, world_size, prefetch, max_input_buffers):
     from fsdp2.runtime import collectives
 
     peak = {"ag": 0, "rs": 0, "groups": 0}
@@ -288,15 +322,15 @@ def _peaks(rank, world_size, prefetch):
 
     def tracked(kind, fn):
         def wrapper(*args, **kwargs):
-            comm = groups[0].ctx.comm
+            ctx = groups[0].comm_ctx
             if kind == "ag":
                 in_flight = [g for g in groups if g.step.pending_unshard is not None
                              or g.step.pending_staged is not None]
-                alive = 1 + len(in_flight) + (comm.all_gather_state is not None)
+                alive = 1 + len(in_flight) + (ctx.all_gather_state is not None)
                 busy = [g for g in groups if g.step.is_unsharded or g in in_flight]
                 peak["groups"] = max(peak["groups"], len(busy) + 1)
             else:
-                alive = 1 + (comm.reduce_scatter_state is not None)
+                alive = 1 + len(ctx.reduce_scatter_states)
             peak[kind] = max(peak[kind], alive)
             return fn(*args, **kwargs)
         return wrapper
@@ -304,6 +338,7 @@ def _peaks(rank, world_size, prefetch):
     ref, model = make_pair(build_chain)
     shard_chain(model, fully_shard)
     groups = [m._fsdp_state().param_group for m in [*model.layers, model]]
+    model.set_reduce_scatter_max_input_buffers(max_input_buffers)
     if prefetch:
         layers = list(model.layers)
         for a, b in zip(layers, layers[1:]):
@@ -319,21 +354,24 @@ def _peaks(rank, world_size, prefetch):
     finally:
         collectives.all_gather_output, collectives.reduce_scatter_input = originals
     assert checker.errors == [], checker.errors[:3]
-    assert groups[0].ctx.comm.active
+    assert groups[0].comm_ctx.active
     return peak
 
 
 def test_memory_bounded_as_upstream(launch_cases):
     """Upstream's bound: the previous all-gather output is released (after the copy-in
     stream waited for its copy-out) before the next is allocated, so one output is
-    alive at a time; one reduce-scatter input (``reduce_scatter_max_input_buffers``
-    = 1); and at an all-gather's issue at most the root, the group being consumed
-    and the one in flight hold unsharded parameters (the Chain's root holds its head)."""
+    alive at a time; ``n`` reductions' buffers (``set_reduce_scatter_max_input_buffers(n)``,
+    n = 1 and 2: the (n+1)-th waits for the oldest), never more and, over the Chain's
+    five groups, reached; and at an all-gather's issue at most the root, the group being
+    consumed and the one in flight hold unsharded parameters (the root holds its head)."""
     ok, per_rank = launch_cases.run(_bounded, 2)
     assert ok, per_rank
     for peaks in per_rank:
         for prefetch in (False, True):
-            assert peaks[prefetch] == {"ag": 1, "rs": 1, "groups": 3}, (prefetch, peaks)
+            for buffers in (1, 2):
+                want = {"ag": 1, "rs": buffers, "groups": 3}
+                assert peaks[prefetch, buffers] == want, (prefetch, buffers, peaks)
 
 
 def test_checker_tracks_memory_not_storage_objects():

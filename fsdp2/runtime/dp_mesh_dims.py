@@ -41,7 +41,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
 from ..api import DataParallelMeshDims
-from ..errors import FSDPNotImplementedError
 from .mesh import FSDPMeshInfo
 
 
@@ -153,18 +152,6 @@ def _own_group() -> dist.ProcessGroup:
         group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         _OWN_GROUPS[world] = group
     return group
-
-
-def resolve_reshard_after_forward(value: object, spmd: SpmdDims) -> object:
-    """Upstream's rules for ``reshard_after_forward`` with ``dp_mesh_dims``."""
-    if not spmd.shard_indices:
-        return False  # DDP: nothing is sharded, the parameters stay gathered
-    if isinstance(value, int) and not isinstance(value, bool):
-        raise FSDPNotImplementedError(
-            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
-            "pass True, False or None"
-        )
-    return value
 
 
 def spmd_layout(

@@ -47,6 +47,6 @@ class ReductionSettings:
     # set_custom_reduce_scatter, or a built-in comm (see [Note: Communication memory])
     reduce_scatter_comm: ReduceScatter | None = None
     reduce_scatter_unused_params: bool = False
-    reduce_scatter_max_input_buffers: int = 1  # checked and kept; see FSDPModule's setter
+    reduce_scatter_max_input_buffers: int = 1  # read at the root's lazy init (CommContext)
     # set_separate_reduce_scatter_group; None: the shard group
     reduce_scatter_process_group: dist.ProcessGroup | None = None

@@ -73,18 +73,18 @@ from .._torch_compat import (
     functorch_active,
     in_backward,
     queue_backward_callback,
-    tree_flatten,
-    tree_unflatten,
 )
 from ..api import MixedPrecisionPolicy
+from .comm_context import CommContext
 from .comm_memory import check_max_input_buffers
 from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .mixed_precision import cast_args, cast_floating, input_cast_dtype
 from .param_group import FSDPParamGroup
+from .post_backward_node import register_post_backward
+from .profiler_ranges import record_function
 from .shared_params import check_shared_params
-from .step_state import IterContext, TrainingState
-from .streams import record_function
+from .step_state import TrainingState
 from .tensor_tree import map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -98,17 +98,16 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 
 class _RootContext:
-    """Shared by every state under one root: what one iteration needs.
+    """Shared by every state under one root: its states and the control of its steps.
 
     Each state starts with its own; lazy init makes every state under the
     root share the root's (settings made on a sub-module before that carry
-    over).
+    over). The streams and the forward order are the ``CommContext``.
     """
 
     def __init__(self, root: FSDPState) -> None:
         self.root = root
         self.all_states: list[FSDPState] = []
-        self.iter_ctx = IterContext()
         self.callback_queued = False
         self.is_last_backward = True
         # See [Note: Manual backward finalization]
@@ -124,6 +123,7 @@ class FSDPState:
         self,
         modules: tuple[nn.Module, ...],
         param_group: FSDPParamGroup | None,
+        comm_ctx: CommContext,
         auto_reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ) -> None:
@@ -137,6 +137,8 @@ class FSDPState:
         # Root only, on accelerators: forward inputs are moved there (as upstream).
         self._input_device: torch.device | None = None
         self.root_ctx = _RootContext(self)
+        # This call's own (its group's too) until the root's lazy init hands the root's
+        self.comm_ctx = comm_ctx
         self._modules_to_run: set[nn.Module] = set()
         # Explicit prefetch lists (FSDPModule.set_modules_to_*_prefetch).
         self.forward_prefetch: tuple[FSDPParamGroup, ...] = ()
@@ -195,6 +197,7 @@ class FSDPState:
                 self._adopt_settings(state)
             state.is_root = state is self
             state.root_ctx = ctx
+            state.comm_ctx = self.comm_ctx
             ctx.all_states.append(state)
         self.is_root = True
         if self.auto_reshard_after_forward and self.param_group is not None:
@@ -210,7 +213,10 @@ class FSDPState:
             try:
                 check_shared_params(root_module, groups, module_fqns)
                 for state in ctx.all_states:
-                    state._lazy_init_group(module_fqns, ctx)
+                    state._lazy_init_group(module_fqns)
+                self.comm_ctx.max_reduce_scatter_inputs = max(
+                    g.reduction.settings.reduce_scatter_max_input_buffers for g in groups
+                ) if groups else 1  # one cap over the shared reductions in flight, as upstream
             except Exception as e:  # raised on every rank below; see [Note: Divergence check ...]
                 local_error = e
             check_same_model(type(root_module).__name__, groups, local_error)
@@ -221,12 +227,12 @@ class FSDPState:
         logger.debug("lazy init: root %s with %d FSDP states", type(root_module).__name__,
                      len(ctx.all_states))
 
-    def _lazy_init_group(self, module_fqns: dict[nn.Module, str], ctx: _RootContext) -> None:
+    def _lazy_init_group(self, module_fqns: dict[nn.Module, str]) -> None:
         """Name this state's group and its parameters by FQN under the root, then validate it."""
         group = self.param_group
         if group is None:
             return
-        group.set_iter_ctx(ctx.iter_ctx)
+        group.set_comm_ctx(self.comm_ctx)
         group.set_fqns(module_fqns)
         # Parameters may have been replaced in any way since fully_shard.
         group.adopt_params(force=True)
@@ -246,18 +252,16 @@ class FSDPState:
 
     # ---- control surface (called by FSDPModule) ---------------------------------
 
-    def share_iter_ctx(self, other: FSDPState) -> None:
-        """``share_comm_ctx``: use ``other``'s forward order (backward prefetching) from now on.
+    def share_comm_ctx(self, other: FSDPState) -> None:
+        """``share_comm_ctx``: use ``other``'s comm context (streams, forward order) from now on.
 
         Applies to this state's group, and, for a root or before lazy init, to
         what lazy init and the end of backward use; other states under an
         initialized root keep theirs, as upstream.
         """
-        ctx = other.root_ctx.iter_ctx
-        if self.is_root is not False:
-            self.root_ctx.iter_ctx = ctx
+        self.comm_ctx = other.comm_ctx
         if self.param_group is not None:
-            self.param_group.set_iter_ctx(ctx)
+            self.param_group.set_comm_ctx(other.comm_ctx)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self.root_ctx.is_last_backward = is_last_backward
@@ -299,10 +303,9 @@ class FSDPState:
             )
         if self.is_root:
             with record_function("FSDP::root_pre_forward"):
-                comm = self.root_ctx.iter_ctx.comm
-                if comm.active:  # See [Note: Streams] in streams.py
+                if self.comm_ctx.active:  # See [Note: Streams] in comm_context.py
                     event, self.post_optim_event = self.post_optim_event, None
-                    comm.before_root_forward(event)
+                    self.comm_ctx.before_root_forward(event)
                 elif self.post_optim_event is not None:
                     self._wait_post_optim_event()
         # See [Note: Groups run in parts]
@@ -319,7 +322,7 @@ class FSDPState:
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
         if group is not None and torch.is_grad_enabled():
-            hooked = _register_post_backward(group, args, kwargs, use)
+            hooked = register_post_backward(group, args, kwargs, use)
             if hooked is None:
                 group.add_use_without_node(use)
             return hooked or cast
@@ -392,7 +395,7 @@ class FSDPState:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
             if state.param_group is not None:
                 state.param_group.end_backward(defer_reduction=manual)
-        ctx.iter_ctx.comm.after_backward()
+        self.comm_ctx.after_backward()
         if ctx.is_last_backward and not manual:
             self._end_step()
         ctx.callback_queued = False
@@ -402,8 +405,8 @@ class FSDPState:
         for state in ctx.all_states:
             if state.param_group is not None:
                 state.param_group.end_step()
-        ctx.iter_ctx.comm.after_backward()
-        ctx.iter_ctx.post_forward_order.clear()
+        self.comm_ctx.after_backward()
+        self.comm_ctx.post_forward_order.clear()
         ctx.manual_active = None
 
     # ---- manual backward finalization --------------------------------------------
@@ -519,83 +522,11 @@ class FSDPState:
             state._modules_to_run.clear()
             if state.param_group is not None:
                 state.param_group.reset_iter_state()
-        ctx.iter_ctx.post_forward_order.clear()
+        self.comm_ctx.after_backward()  # reductions the failed step left in flight
+        self.comm_ctx.post_forward_order.clear()
         ctx.callback_queued = False
         ctx.manual_active = None
         ctx.pending_reduction = None  # invalidates an outstanding GradientReductionHandle
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the group's forward inputs; its backward is the post-backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.use = group, use
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
-
-
-class _PostBackwardInTransform(torch.autograd.Function):
-    """``_PostBackward`` in the ``setup_context`` form (with vmap and forward-mode rules).
-
-    ``torch.func`` transforms need this form; see [Note: torch.func transforms]
-    in func_transforms.py. Only used while a transform runs: ``apply`` of this
-    form binds its arguments through ``inspect.signature`` (tens of us a call).
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        return inputs
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group, ctx.use = inputs[0], inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
-
-    @staticmethod
-    def jvp(  # type: ignore[override]
-        ctx: Any, _group: Any, _use: Any, *tangents: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        return tangents
-
-
-def _register_post_backward(
-    group: FSDPParamGroup,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    use: set[nn.Module] | None = None,
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hook the post-backward of this use on its inputs; ``None`` if none needs grad.
-
-    ``use``: the modules run in this use (groups of several), handed to the
-    post-backward; see [Note: Gradients of parameters used on some ranks].
-    """
-    flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
-    leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
-    positions = [
-        i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-    ]
-    if not positions:
-        return None
-    function = _PostBackwardInTransform if functorch_active() else _PostBackward
-    outputs = function.apply(group, use, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs, strict=True):
-        leaves[i] = out
-    return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)
 
 
 def _register_state_dict_hooks(group: FSDPParamGroup) -> None:

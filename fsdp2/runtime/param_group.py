@@ -40,7 +40,7 @@ these copies is a no-op and the code path is the same.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -48,29 +48,23 @@ import torch.nn as nn
 from .._torch_compat import local_tensor, outside_functorch
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE, ACCUMULATE_PROFILER_RANGE
+from ..versions import ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
+from .comm_context import CommContext
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
 from .force_collectives import skips_collectives
+from .gather_plan import plan_gather
 from .group_settings import UnshardSettings
 from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import GroupDtypes, check_grad_dtypes, check_trainable_dtypes, resolve_dtypes
+from .mixed_precision import check_grad_dtypes, check_trainable_dtypes
 from .param import FSDPParam, ShardedState
+from .placement_checks import check_materialized, check_on_host
+from .profiler_ranges import record_function
 from .reduction import GradientReduction
-from .step_state import IterContext, StepState, TrainingState
-from .streams import record_function
+from .step_state import PendingAllGather, StepState, TrainingState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _GatherInput:
-    """Where unshard's all-gather input comes from; decided by ``_init_dtypes``."""
-
-    extensions: bool = False  # some parameters gather through all-gather extensions
-    copy_in: bool = False  # a cast or a move; otherwise the flat buffer is the input itself
-    partly_cast: bool = False  # some cast, others kept (param_dtype_override_fn): per parameter
 
 
 class FSDPParamGroup:
@@ -83,6 +77,7 @@ class FSDPParamGroup:
         modules: tuple[nn.Module, ...],
         mesh_info: FSDPMeshInfo,
         device: torch.device,
+        comm_ctx: CommContext,
         reshard_after_forward: bool,
         post_forward_mesh_info: PostForwardMeshInfo | None = None,
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
@@ -98,7 +93,8 @@ class FSDPParamGroup:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.device = device
         self.settings = UnshardSettings(reshard_after_forward)
-        self.ctx = IterContext()  # the root's, from lazy init (set_iter_ctx)
+        # This call's own until the root's lazy init hands the root's (set_comm_ctx)
+        self.comm_ctx = comm_ctx
         self.step = StepState()
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
@@ -113,10 +109,9 @@ class FSDPParamGroup:
         pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         buffer_device = torch.device("cpu") if self.offload else device
         self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory)
-        self._gather = _GatherInput()
-        self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather
+        self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather (GatherPlan)
         self.reduction = GradientReduction(
-            fsdp_params, mesh_info, device, lambda: self.dtypes,
+            fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
             alone=self.alone, offload=self.offload, pin_memory=pin_memory,
         )
 
@@ -139,10 +134,11 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.keep_unsharded_storage = keep
 
-    def set_iter_ctx(self, ctx: IterContext) -> None:
-        """Record the forward order into ``ctx`` (the root's, or one ``share_comm_ctx`` shares)."""
-        self.ctx = ctx
-        ctx.comm.init(self.device)
+    def set_comm_ctx(self, comm_ctx: CommContext) -> None:
+        """Use ``comm_ctx`` (the root's, or one ``share_comm_ctx`` shares), reduction included."""
+        self.comm_ctx = comm_ctx
+        self.reduction.set_comm_ctx(comm_ctx)
+        comm_ctx.init_streams(self.device)
 
     def set_fqns(self, module_fqns: dict[nn.Module, str]) -> None:
         """Name the group and its parameters by their FQNs under the root (lazy init)."""
@@ -160,49 +156,11 @@ class FSDPParamGroup:
         return self._flat.layout
 
     def _init_dtypes(self) -> None:
-        """Resolve the mixed precision dtypes and where the all-gather input comes from.
-
-        Runs at init and whenever the sharded parameters were replaced (their
-        dtype may have changed, e.g. ``module.to(torch.bfloat16)``).
-        See [Note: Mixed precision cast points] in mixed_precision.py.
-        """
-        self._check_extensions()
-        layout = self.layout
-        # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
-        trainable = [p.sharded_param.dtype for p in self.fsdp_params if p.sharded_param.requires_grad]
-        fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
-        orig_dtype = trainable[0] if trainable else fallback
-        self.dtypes = GroupDtypes(orig_dtype, *resolve_dtypes(self.mp_policy, orig_dtype))
-        for p, dtype in zip(self.fsdp_params, layout.dtypes):
-            # floating ones only, unless param_dtype_override_fn kept the parameter's dtype
-            p.param_dtype = None if p.keeps_dtype else resolve_dtypes(self.mp_policy, dtype)[0]
-            p.unsharded_device = self.device if self.offload else None
-            if p.extension is not None:  # upstream resolves these per parameter
-                p.extension.mp_policy = self.mp_policy
-                p.extension.param_dtype = p.param_dtype or p.dtype
-        for p in self.fsdp_params:  # See [Note: Gradient accumulation dtype]
-            p.grad_dtype = self.dtypes.reduce if ACCUMULATE_IN_GRAD_DTYPE else None
-        cast = [p.param_dtype is not None for p in self.fsdp_params if p.flat_numel > 0]
-        self._gather.copy_in = (self.offload and self.device.type != "cpu") or any(cast)
-        self._gather.partly_cast = any(cast) and not all(cast)
-        if self._gather.partly_cast and self.post_forward_mesh_info is not None:
-            kept = [p.fqn for p in self.fsdp_params if p.keeps_dtype]
-            raise FSDPNotImplementedError(
-                "reshard_after_forward=<int> is not supported with parameters that "
-                f"param_dtype_override_fn keeps in their own dtype ({', '.join(kept)}); pass "
-                "True or False, or shard those parameters' modules with their own fully_shard"
-            )
-
-    def _check_extensions(self) -> None:
-        """Which parameters gather through all-gather extensions (decided when adopted)."""
-        with_ext = [p.fqn for p in self.fsdp_params if p.extension is not None]
-        self._gather.extensions = bool(with_ext)
-        if with_ext and self.post_forward_mesh_info is not None:
-            # Upstream raises a bare NotImplementedError at the backward all-gather.
-            raise FSDPNotImplementedError(
-                "reshard_after_forward=<int> is not supported with all-gather extensions "
-                f"({', '.join(with_ext)}); pass True or False"
-            )
+        """Resolve the dtypes and the all-gather input; again whenever parameters are replaced."""
+        self.dtypes, self._gather = plan_gather(
+            self.fsdp_params, self.layout, self.mp_policy, self.device, self.offload,
+            self.post_forward_mesh_info is not None,
+        )
 
     def _slot(self, index: int) -> torch.Tensor:
         return self._flat.slot(index)
@@ -241,41 +199,12 @@ class FSDPParamGroup:
 
     def check_materialized(self) -> None:
         """Fail clearly, naming them, if any parameter is still on ``meta``."""
-        names = self._flat.names_on_meta()
-        if names:
-            where = f" of '{self.module_fqn}'" if self.module_fqn else ""
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}\n"
-                "For example, call module.to_empty(device) to materialize to device and "
-                "call module.reset_parameters() on each module to initialize values.\n"
-                f"These parameters{where} were never materialized: call "
-                "model.to_empty(device=...) and then initialize them (e.g. "
-                "reset_parameters() on each module), or load them with "
-                "load_state_dict(..., assign=True) / set_full_state_dict before the "
-                "first forward."
-            )
+        check_materialized(self._flat.names_on_meta(), self.module_fqn)
 
     def check_offloaded(self) -> None:
         """With CPU offload, fail clearly if any sharded parameter is not on the CPU."""
-        if not self.offload:
-            return
-        misplaced = [
-            (p.fqn, p.sharded_param.device)
-            for p in self.fsdp_params
-            if p.sharded_param.device.type != "cpu"
-        ]
-        if misplaced:
-            raise RuntimeError(
-                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
-                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
-                f"Found following parameters on non-CPU device: {misplaced}\n"
-                "CPUOffloadPolicy keeps sharded parameters on the CPU, but "
-                f"{'this one is' if len(misplaced) == 1 else 'these are'} not. "
-                'Materialize the model on the CPU (e.g. model.to_empty(device="cpu") and '
-                "initialize it, or load a CPU state dict); FSDP copies the shards to "
-                f"{self.device} for each all-gather."
-            )
+        if self.offload:
+            check_on_host(self.fsdp_params, self.device)
 
     # ---- unshard / reshard --------------------------------------------------
 
@@ -295,7 +224,7 @@ class FSDPParamGroup:
         """All-gather the group's parameters; no-op if unsharded or in flight.
 
         ``on_comm_streams``: the hooks' all-gathers, which run on FSDP's
-        streams where there are any (see [Note: Streams] in streams.py); the
+        streams where there are any (see [Note: Streams] in comm_context.py); the
         user's ``unshard`` runs on the current stream, as upstream.
         """
         step = self.step
@@ -324,20 +253,20 @@ class FSDPParamGroup:
             dtype, shard_numel = torch.uint8, layout.gathered_nbytes(self.fsdp_params)
         else:
             dtype, shard_numel = self.dtypes.param or layout.dtype, layout.numel
-        comm = self.ctx.comm
-        streams = comm.active and on_comm_streams
+        ctx = self.comm_ctx
+        streams = ctx.active and on_comm_streams
         if streams:  # the stream's own wait orders the collective: see [Note: Streams]
-            comm.release_all_gather()
+            ctx.release_all_gather()
             async_op = False
             # the kept post-forward shard was written ('cat') on the compute stream
-            comm.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
+            ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
         with record_function("FSDP::all_gather", self.module_fqn):
             if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
                 )
-            with comm.use(comm.copy_in if streams else None):
+            with ctx.use(ctx.copy_in if streams else None):
                 if len(self.fsdp_params) != 1:
                     output = collectives.all_gather_output(
                         self.fsdp_params, shard_numel, world_size, dtype, self.device
@@ -353,22 +282,22 @@ class FSDPParamGroup:
                             output, ag_input, self.mesh_info.shard_mesh_rank, self._flat.pin_memory
                         )
             if streams:
-                comm.wait_stream(None, comm.all_gather, comm.copy_in)
-            with comm.use(comm.all_gather if streams else None):
+                ctx.wait_stream(None, ctx.all_gather, ctx.copy_in)
+            with ctx.use(ctx.all_gather if streams else None):
                 work = collectives.all_gather(output, ag_input, group, async_op)
-            step.unshard_event = comm.record(comm.all_gather) if streams else None
-        step.pending_unshard = (work, output, ag_input)
+            step.unshard_event = ctx.record(ctx.all_gather) if streams else None
+        step.pending_unshard = PendingAllGather(work, output, ag_input)
         if not async_op and not streams:
             self.wait_for_unshard()
 
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
-        comm = self.ctx.comm
-        if comm.active and on_comm_streams:  # copy-in and collective on the copy-in stream
-            comm.release_all_gather()
-            with comm.use(comm.copy_in):
+        ctx = self.comm_ctx
+        if ctx.active and on_comm_streams:  # copy-in and collective on the copy-in stream
+            ctx.release_all_gather()
+            with ctx.use(ctx.copy_in):
                 self._unshard_staged(True, on_comm_streams=False)
-                self.step.unshard_event = comm.record(comm.copy_in)
+                self.step.unshard_event = ctx.record(ctx.copy_in)
             return
         inputs = []
         for i, p in enumerate(self.fsdp_params):
@@ -404,8 +333,8 @@ class FSDPParamGroup:
         if staged.work is not None:
             staged.work.wait()
         event, self.step.unshard_event = self.step.unshard_event, None
-        comm = self.ctx.comm
-        comm.wait_event("all_gather->copy_out", comm.current() if event else None, event)
+        ctx = self.comm_ctx
+        ctx.wait_event("all_gather->copy_out", ctx.current() if event else None, event)
         staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             if p.extension is not None:
@@ -414,7 +343,7 @@ class FSDPParamGroup:
                 p.finish_copy_out()
             p.to_unsharded()
         if event is not None:  # held until the next all-gather, after this copy-out
-            comm.all_gather_state = (staged, comm.record())
+            ctx.hold_all_gather(staged)
         self.step.is_unsharded = True
 
     @outside_functorch
@@ -426,23 +355,22 @@ class FSDPParamGroup:
             return
         if step.pending_unshard is None:
             return
-        work, output, ag_input = step.pending_unshard
-        step.pending_unshard = None
-        if work is not None:
-            work.wait()
+        pending, step.pending_unshard = step.pending_unshard, None
+        if pending.work is not None:
+            pending.work.wait()
+        ctx = self.comm_ctx
         event, step.unshard_event = step.unshard_event, None
         if event is not None:  # issued on FSDP's streams
-            comm = self.ctx.comm
-            comm.wait_event("all_gather->copy_out", comm.current(), event)
+            ctx.wait_event("all_gather->copy_out", ctx.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
         with record_function("FSDP::all_gather_copy_out", self.module_fqn):
-            collectives.copy_out(output, params, self.mesh_info.shard_mesh_size)
+            collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
         if event is not None:  # dropped by the next all-gather, after this copy-out
-            comm.all_gather_state = ((output, ag_input), comm.record())
+            ctx.hold_all_gather(pending)
         step.is_unsharded = True
 
     @outside_functorch
@@ -456,14 +384,13 @@ class FSDPParamGroup:
                 staged.work.wait()
         event, step.unshard_event = step.unshard_event, None
         if event is not None:  # a prefetch never consumed: let it land before dropping it
-            comm = self.ctx.comm
-            comm.wait_event(None, comm.current(), event)
-            comm.wait_event(None, comm.copy_in, event)
+            ctx = self.comm_ctx
+            ctx.wait_event(None, ctx.current(), event)
+            ctx.wait_event(None, ctx.copy_in, event)
         if step.pending_unshard is not None:
-            work, _, _ = step.pending_unshard
-            step.pending_unshard = None
-            if work is not None:
-                work.wait()
+            pending, step.pending_unshard = step.pending_unshard, None
+            if pending.work is not None:
+                pending.work.wait()
             for p in self.fsdp_params:
                 p.free_unsharded()
         if not step.is_unsharded:
@@ -491,7 +418,7 @@ class FSDPParamGroup:
         kept = torch.cat(blocks, dim=1)
         self.reshard()
         self.step.post_forward_flat = kept.view(-1)
-        self.step.post_forward_event = self.ctx.comm.record()
+        self.step.post_forward_event = self.comm_ctx.record()
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD
 
@@ -518,7 +445,7 @@ class FSDPParamGroup:
         elif reshard or not grad_enabled:
             self.reshard()
         if grad_enabled:
-            order = self.ctx.post_forward_order
+            order = self.comm_ctx.post_forward_order
             self.step.post_forward_indices.append(len(order))
             order.append(self)
         self.step.training_state = TrainingState.IDLE
@@ -555,7 +482,7 @@ class FSDPParamGroup:
         index = indices.pop()
         if index == 0:
             return
-        target = self.ctx.post_forward_order[index - 1]
+        target = self.comm_ctx.post_forward_order[index - 1]
         if target is not self:
             target.prefetch(in_backward=True)
 
@@ -602,13 +529,14 @@ class FSDPParamGroup:
                     self.reshard()
         if not reduce_grads:
             return
+        # Bounds the gradients held by reductions in flight (every group, as upstream)
+        self.comm_ctx.make_room_for_reduction(fqn)
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
             with record_function("FSDP::post_backward_reduce", self.module_fqn):
                 self.reduction.reduce_scatter(
-                    with_grad, grads, filled, self.sharded_flat.device, self.module_fqn,
-                    self.ctx.comm,
+                    with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
                 )
 
     def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:

@@ -100,6 +100,7 @@ import torch.nn as nn
 from ..errors import FSDPAssertionError
 from ..versions import ACCUMULATE_IN_GRAD_DTYPE
 from . import collectives
+from .comm_context import CommContext
 from .comm_memory import effective
 from .group_settings import ReductionSettings
 from .mesh import FSDPMeshInfo
@@ -107,7 +108,6 @@ from .mixed_precision import GroupDtypes
 from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 from .staged_collectives import ReduceScatter
-from .streams import _SKIPPED_EDGES, CommStreams
 
 
 class GradientReduction:
@@ -119,6 +119,7 @@ class GradientReduction:
         mesh_info: FSDPMeshInfo,
         device: torch.device,
         dtypes: Callable[[], GroupDtypes],
+        comm_ctx: CommContext,
         alone: bool,
         offload: bool,
         pin_memory: bool,
@@ -140,7 +141,12 @@ class GradientReduction:
         # HSDP with the all-reduce off: shard-reduced gradients waiting for it.
         self._partial_grads: dict[FSDPParam, torch.Tensor] = {}
         self._grad_offload_event: torch.Event | None = None
-        self._comm = CommStreams()  # inactive until a reduction hands the root's in
+        # The root's streams and reductions in flight: see [Note: Streams] in comm_context.py
+        self.comm_ctx = comm_ctx
+
+    def set_comm_ctx(self, comm_ctx: CommContext) -> None:
+        """Reduce on ``comm_ctx``'s streams (the group's, handed at the root's lazy init)."""
+        self.comm_ctx = comm_ctx
 
     # ---- settings ----------------------------------------------------------------
 
@@ -271,13 +277,12 @@ class GradientReduction:
         filled: set[FSDPParam],
         shard_device: torch.device,
         module_fqn: str,
-        comm: CommStreams | None = None,
     ) -> None:
         """Reduce ``grads`` onto ``fsdp_params``' sharded gradients.
 
-        ``comm``: the root's streams; where active (accelerators) the whole
-        reduction runs on the reduce-scatter stream (see [Note: Streams] in
-        streams.py), and ``grads`` are held until the next reduction.
+        With FSDP's streams (accelerators) the whole reduction runs on the
+        reduce-scatter stream and ``grads`` are held while it is in flight
+        (see [Note: Streams] in comm_context.py).
 
         ``grads`` is emptied once copied in, so the gradients are freed early.
         ``filled``: the parameters whose gradient this rank filled with
@@ -305,17 +310,16 @@ class GradientReduction:
             # one dtype for chunk_cat, which itself converts them to the reduce dtype
             grads[:] = [g.to(reduce_dtype) for g in grads]
         plan = self._plan_for(reduce_dtype)  # see [Note: Gradient divide factors]
-        if comm is None or not comm.active:
+        ctx = self.comm_ctx
+        if not ctx.active:
             self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
+            ctx.hold_reduction([], None, self.offload)  # counted, as upstream's CPU path
             return
-        self._comm = comm
-        comm.release_reduce_scatter(module_fqn)  # one reduction in flight: bounds its buffers
-        comm.wait_stream("compute->reduce_scatter", comm.reduce_scatter, comm.current())
+        ctx.wait_stream("compute->reduce_scatter", ctx.reduce_scatter, ctx.current())
         held = list(grads)  # read on the reduce-scatter stream: freed after its event
-        with comm.use(comm.reduce_scatter):
+        with ctx.use(ctx.reduce_scatter):
             self._reduce(fsdp_params, grads, filled, shard_device, plan, reduce_dtype)
-        comm.reduce_scatter_state = (held, comm.record(comm.reduce_scatter))
-        comm.reduce_scatter_offload = self.offload
+        ctx.hold_reduction(held, ctx.record(ctx.reduce_scatter), self.offload)
 
     def _reduce(
         self,
@@ -406,13 +410,13 @@ class GradientReduction:
             partial = self._partial_grads.pop(p, None)
             if partial is not None:
                 block.add_(partial)
-        comm = self._comm
-        if comm.active:  # HSDP's all-reduce on its own stream, after the reduce-scatter
-            comm.wait_stream(None, comm.all_reduce, comm.reduce_scatter)
-        with comm.use(comm.all_reduce if comm.active else None):
+        ctx = self.comm_ctx
+        # HSDP's all-reduce on its own stream, after the reduce-scatter (no-ops without streams)
+        ctx.wait_stream(None, ctx.all_reduce, ctx.reduce_scatter)
+        with ctx.use(ctx.all_reduce):
             collectives.all_reduce(output, self.mesh_info.replicate_process_group, op)
-        if comm.active:  # the views and casts after it run on the reduce-scatter stream
-            comm.wait_stream(None, comm.reduce_scatter, comm.all_reduce)
+        # the views and casts after it run on the reduce-scatter stream
+        ctx.wait_stream(None, ctx.reduce_scatter, ctx.all_reduce)
         return True
 
     @property
@@ -438,8 +442,8 @@ class GradientReduction:
             and all(p.sharded_param.grad is None for p in fsdp_params)
         )
         result = reduced.to(device=device, dtype=orig_dtype, non_blocking=non_blocking)
-        if self._comm.active and self.offload:
-            self._grad_offload_event = self._comm.record()
+        if self.comm_ctx.active and self.offload:
+            self._grad_offload_event = self.comm_ctx.record()
         elif non_blocking:
             self._grad_offload_event = torch.Event(device=reduced.device)
             self._grad_offload_event.record()
@@ -448,24 +452,28 @@ class GradientReduction:
     def wait_for_grad_offload(self) -> None:
         """Block until asynchronous device-to-host gradient copies have landed."""
         event, self._grad_offload_event = self._grad_offload_event, None
-        if event is not None and "offload->optimizer" not in _SKIPPED_EDGES:
-            event.synchronize()
+        self.comm_ctx.synchronize("offload->optimizer", event)
 
     def _call_all_reduce_hook(self, output: torch.Tensor) -> None:
         hook, stream = self.settings.all_reduce_hook, self.settings.all_reduce_hook_stream
-        if self._comm.active:
-            with self._comm.hook_stream(stream):
+        if self.comm_ctx.active:
+            with self.comm_ctx.hook_stream(stream):
                 hook(output)
             return
-        if stream is None or self.device.type == "cpu":
-            hook(output)  # CPU has a single stream: nothing to order
+        if stream is None:
+            hook(output)
             return
+        # The hook sees its stream as the current one, as upstream (on CPU too, where
+        # torch.cpu's stream context only sets what current_stream() returns).
         device_module = torch.get_device_module(self.device)
+        ordered = self.device.type != "cpu"  # CPU has one stream: nothing to order
         current = device_module.current_stream()
-        stream.wait_stream(current)
+        if ordered:
+            stream.wait_stream(current)
         with device_module.stream(stream):
             hook(output)
-        current.wait_stream(stream)
+        if ordered:
+            current.wait_stream(stream)
 
 
 def _fill_unused(

@@ -4,24 +4,20 @@
 modules, meshes, policies); what forward and backward do to it lives in one
 ``StepState`` it owns, so where a group stands is read in one place and a
 failed step is forgotten field by field (``FSDPParamGroup.reset_iter_state``).
-``IterContext`` is shared by every group under one root.
+What every group under one root shares (streams, forward order) is the
+``CommContext`` (comm_context.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .staged_collectives import StagedAllGather
-from .streams import CommStreams
-
-if TYPE_CHECKING:
-    from .param_group import FSDPParamGroup
 
 
 class TrainingState(Enum):
@@ -31,13 +27,13 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # gradients reduced (for this use)
 
 
-class IterContext:
-    """Per-root state shared by all groups under it for one iteration."""
+@dataclass
+class PendingAllGather:
+    """An all-gather issued and not yet copied out (``FSDPParamGroup.unshard``)."""
 
-    def __init__(self) -> None:
-        self.post_forward_order: list[FSDPParamGroup] = []
-        # FSDP's streams (none on CPU); shared with the order by share_comm_ctx
-        self.comm = CommStreams()
+    work: dist.Work | None  # None when the collective ran synchronously
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the work is done
 
 
 @dataclass(eq=False)
@@ -47,16 +43,15 @@ class StepState:
     training_state: TrainingState = TrainingState.IDLE
     # Gathered parameters (FSDPParamGroup.unshard / reshard).
     is_unsharded: bool = False
-    # (work, all-gather output, input kept alive until the work is done)
-    pending_unshard: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+    pending_unshard: PendingAllGather | None = None
     pending_staged: StagedAllGather | None = None
-    # Recorded after an all-gather issued on FSDP's streams; see [Note: Streams] in streams.py
+    # Recorded after an all-gather issued on FSDP's streams; see [Note: Streams] in comm_context.py
     unshard_event: object | None = None
     # This rank's share over the post-forward group; see [Note: Resharding to a
     # smaller group after forward] in param_group.py.
     post_forward_flat: torch.Tensor | None = None
     post_forward_event: object | None = None  # recorded after it was written (FSDP's streams)
-    # Where each use of this iteration sits in IterContext.post_forward_order,
+    # Where each use of this iteration sits in CommContext.post_forward_order,
     # popped by backward prefetching.
     post_forward_indices: list[int] = field(default_factory=list)
     # Groups of several modules: the modules run in the current use, and those of
