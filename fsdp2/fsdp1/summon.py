@@ -170,12 +170,12 @@ def _write_back(p: FSDPParam, current: torch.Tensor | None) -> str | None:
         return f"'{p.fqn}' (replaced by {shape}, expected {tuple(p.orig_size)})"
     local = local_tensor(p.sharded_param)
     if local.numel():
-        local.copy_(p.local_rows_of(current.detach()))
+        local.copy_(p.layout.local_rows_of(current.detach()))
     sharded_grad = p.sharded_param.grad
     if current.grad is not None and sharded_grad is not None:
         grad_local = local_tensor(sharded_grad)
         if grad_local.numel():
-            grad_local.copy_(p.local_rows_of(current.grad))
+            grad_local.copy_(p.layout.local_rows_of(current.grad))
     return None
 
 
@@ -296,7 +296,7 @@ def _unpack(p: FSDPParam, seg: torch.Tensor, device: torch.device) -> torch.Tens
         rows = seg.reshape(-1, *p.orig_size[1:])[: p.orig_size[0]]
         full.copy_(rows)
     else:  # Shard(k > 0) divides evenly: block r is rank r's slice along dim k
-        p.rank_blocks(full).copy_(seg.reshape(p.block_shape()))
+        p.layout.rank_blocks(full).copy_(seg.reshape(p.layout.block_shape()))
     return full
 
 

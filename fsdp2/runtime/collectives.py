@@ -147,7 +147,7 @@ def reduce_scatter_input(
             chunk_cat([grad], world_size, tmp)
             block.copy_(tmp)
         else:
-            block.view(p.block_shape()).copy_(p.rank_blocks(grad))
+            block.view(p.layout.block_shape()).copy_(p.layout.rank_blocks(grad))
         offset += p.padded_shard_numel
     return flat.view(-1)
 

@@ -49,7 +49,6 @@ expects.
 
 from __future__ import annotations
 
-import itertools
 import math
 from enum import Enum, auto
 
@@ -71,37 +70,11 @@ from .._torch_compat import (
 from ..errors import FSDPAssertionError
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .mesh import FSDPMeshInfo
-from .shard_storage import can_own_storage, own_storage
+from .shard_layout import ShardLayout
+from .shard_storage import alias_parameter, can_own_storage, own_storage
+from .shared_params import original_uid
 
 _MODULE_SETATTR = nn.Module.__setattr__
-
-ORIG_UID_ATTR = "_fsdp2_orig_uid"
-_uids = itertools.count()
-
-
-def original_uid(param: nn.Parameter) -> int:
-    """A number naming ``param`` for good, set on it the first time FSDP manages it.
-
-    Sharding replaces the parameter on its modules, so the object itself
-    cannot tell later calls that they shard the same parameter again (see
-    [Note: A parameter belongs to one group] in shared_params.py).
-    """
-    uid = param.__dict__.get(ORIG_UID_ATTR)
-    if uid is None:
-        uid = next(_uids)
-        setattr(param, ORIG_UID_ATTR, uid)
-    return uid
-
-
-def _parameter_on(
-    like: torch.Tensor, offset: int, size: torch.Size, stride: tuple[int, ...]
-) -> nn.Parameter:
-    """A parameter viewing ``like``'s storage through ``Tensor.set_`` (own version counter)."""
-    storage = like.untyped_storage()
-    alias = torch.empty(0, dtype=like.dtype, device=like.device)
-    alias.set_(storage, offset, size, stride)
-    return nn.Parameter(alias, requires_grad=False)
-
 
 class ShardedState(Enum):
     SHARDED = auto()  # sharded DTensor parameters are registered on the modules
@@ -146,18 +119,12 @@ class FSDPParam:
             self.global_size, self.global_stride = self.orig_size, self.orig_stride
         self.dtype = param.dtype
         self.shard_dim = shard_dim
-        world_size = mesh_info.shard_mesh_size
-        rank = mesh_info.shard_mesh_rank
-        dim_k = self.orig_size[shard_dim]
-        # "rows" are slices along the shard dim; row_numel is one slice's size
-        self.row_numel = math.prod(s for i, s in enumerate(self.orig_size) if i != shard_dim)
-        self.shard_rows = -(-dim_k // world_size)  # ceil: rows per rank before the end
-        self.local_rows = max(0, min(self.shard_rows, dim_k - rank * self.shard_rows))
-        local_size = list(self.orig_size)
-        local_size[shard_dim] = self.local_rows
-        self.local_size = torch.Size(local_size)
-        self.padded_shard_numel = self.shard_rows * self.row_numel
-        self.numel = dim_k * self.row_numel
+        self.layout = ShardLayout(self.orig_size, shard_dim, mesh_info.shard_mesh_size,
+                                  mesh_info.shard_mesh_rank)
+        self.row_numel, self.shard_rows = self.layout.row_numel, self.layout.shard_rows
+        self.local_rows, self.local_size = self.layout.local_rows, self.layout.local_size
+        self.padded_shard_numel = self.layout.padded_shard_numel
+        self.numel = self.orig_size[shard_dim] * self.row_numel
         self.sharded_param: nn.Parameter = param  # replaced by bind_sharded()
         self.padded_full: torch.Tensor | None = None
         self._unsharded_data: torch.Tensor | None = None  # own storage when shard_dim > 0
@@ -245,12 +212,6 @@ class FSDPParam:
 
     # ---- sharded side -------------------------------------------------------
 
-    def local_rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded rows of a full tensor of the original shape."""
-        dim = self.shard_dim
-        start = min(self.mesh_info.shard_mesh_rank * self.shard_rows, self.orig_size[dim])
-        return tensor.narrow(dim, start, self.local_rows)
-
     def slot_view(self, slot: torch.Tensor) -> torch.Tensor:
         """The unpadded local shard as a view of this parameter's padded slot."""
         return slot[: self.local_rows * self.row_numel].view(self.local_size)
@@ -275,7 +236,7 @@ class FSDPParam:
         else:
             local = self.local_view(slot)
         if not local.is_meta and self.local_rows > 0 and self.in_flat:
-            local.copy_(self.local_rows_of(source.detach()))
+            local.copy_(self.layout.local_rows_of(source.detach()))
         dtensor = DTensor.from_local(
             local,
             self._spmd_mesh,
@@ -431,7 +392,7 @@ class FSDPParam:
         return self.padded_full
 
     def _make_unsharded(self, like: torch.Tensor, offset: int) -> nn.Parameter:
-        param = _parameter_on(like, offset, self.orig_size, self.orig_stride)
+        param = alias_parameter(like, offset, self.orig_size, self.orig_stride)
         if self.tp_spec is not None:
             tp_mesh, tp_placements = self.tp_spec
             alias = param.data
@@ -468,31 +429,16 @@ class FSDPParam:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         full = self._unsharded_data.view(self.orig_size)
-        self.rank_blocks(full).copy_(staging.view(self.block_shape()))
+        self.layout.rank_blocks(full).copy_(staging.view(self.layout.block_shape()))
         staging.untyped_storage().resize_(0)  # the staging copy is no longer needed
         self._sync_requires_grad()
-
-    def block_shape(self) -> tuple[int, ...]:
-        block = list(self.orig_size)
-        block[self.shard_dim] = self.shard_rows
-        return (self.mesh_info.shard_mesh_size, *block)
 
     def gathered_blocks(self, start: int, stop: int) -> torch.Tensor:
         """Rank blocks ``[start, stop)`` of the unsharded parameter, ``(stop - start, padded shard numel)``."""
         if self.shard_dim == 0:
             return self.padded_full.view(self.mesh_info.shard_mesh_size, -1)[start:stop]
         full = self._unsharded_data.view(self.orig_size)
-        return self.rank_blocks(full)[start:stop].reshape(stop - start, -1)
-
-    def rank_blocks(self, full: torch.Tensor) -> torch.Tensor:
-        """A ``(W, *shard shape)`` view of a full tensor, block ``r`` being rank ``r``'s shard.
-
-        Only for shard dims > 0 (which divide evenly).
-        """
-        k, world_size = self.shard_dim, self.mesh_info.shard_mesh_size
-        size = list(self.orig_size)
-        split = size[:k] + [world_size, self.shard_rows] + size[k + 1 :]
-        return full.view(split).movedim(k, 0)
+        return self.layout.rank_blocks(full)[start:stop].reshape(stop - start, -1)
 
     def alias_shard(self) -> None:
         """Shard group of one rank: the unsharded parameter views the shard itself.

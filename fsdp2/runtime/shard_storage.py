@@ -14,6 +14,7 @@ the view and cannot be resized, and whose deleter keeps the buffer alive.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 # Devices whose tensors torch exports through DLPack (CUDA covers ROCm).
@@ -38,3 +39,13 @@ def own_storage(slot: torch.Tensor) -> torch.Tensor:
     if not can_own_storage(slot):
         return slot
     return from_dlpack(to_dlpack(slot.view(torch.uint8))).view(slot.dtype)
+
+
+def alias_parameter(
+    like: torch.Tensor, offset: int, size: torch.Size, stride: tuple[int, ...]
+) -> nn.Parameter:
+    """A parameter viewing ``like``'s storage through ``Tensor.set_`` (own version counter)."""
+    storage = like.untyped_storage()
+    alias = torch.empty(0, dtype=like.dtype, device=like.device)
+    alias.set_(storage, offset, size, stride)
+    return nn.Parameter(alias, requires_grad=False)

@@ -7,7 +7,7 @@ holders: that call swaps the sharded parameter into every one of them. Given
 to separate calls (``fully_shard(m.tok); fully_shard(m.out)``), each call
 shards the original on its own and the two copies train apart: a silently
 wrong model. Like upstream, FSDP remembers each original parameter by a
-number set on it (``original_uid`` in param.py) and, at the root's lazy init
+number set on it (``original_uid``) and, at the root's lazy init
 (before any group is checked for ``meta`` parameters), raises upstream's
 ``ValueError`` naming the second parameter when two groups hold the same
 original. Walking the registered parameters once more, it also rejects two
@@ -25,14 +25,32 @@ or sharding their common parent.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
-from .param import ORIG_UID_ATTR, FSDPParam
-
 if TYPE_CHECKING:
+    from .param import FSDPParam
     from .param_group import FSDPParamGroup
+
+
+ORIG_UID_ATTR = "_fsdp2_orig_uid"
+_uids = itertools.count()
+
+
+def original_uid(param: nn.Parameter) -> int:
+    """A number naming ``param`` for good, set on it the first time FSDP manages it.
+
+    Sharding replaces the parameter on its modules, so the object itself
+    cannot tell later calls that they shard the same parameter again (see
+    [Note: A parameter belongs to one group] above).
+    """
+    uid = param.__dict__.get(ORIG_UID_ATTR)
+    if uid is None:
+        uid = next(_uids)
+        setattr(param, ORIG_UID_ATTR, uid)
+    return uid
 
 
 def check_shared_params(
