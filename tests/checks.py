@@ -64,15 +64,23 @@ def make_opts(ref, model, lr=1e-2):
 
 
 def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, mean=True,
-                record=None):
+                record=None, micro_batches=1, after_backward=None, after_step=None):
     """The tests' training loop: one optimizer step per batch; (reference losses, losses).
 
     ``model`` trains on rank ``rank``'s slice of each batch (``rank=None``: on the
     whole batch, e.g. an unsharded run); ``ref``, unless None, on the whole batch,
     and after every backward the reduced gradients must equal the reference's.
-    ``opts``: (reference optimizer or None, model optimizer), AdamW by default.
-    ``losses`` are global means over the ranks (``mean=False`` or ``rank=None``:
-    this rank's own); the reference losses are ``[]`` without a reference.
+    ``opts``: (reference optimizer or None, model optimizer), AdamW by default;
+    either side may be a list of optimizers (e.g. Muon on the matrices and SGD
+    on the rest). ``losses`` are global means over the ranks (``mean=False`` or
+    ``rank=None``: this rank's own); the reference losses are ``[]`` without a
+    reference.
+
+    ``micro_batches``: each batch is cut into that many micro-batches, their
+    gradients accumulated with the model's gradient sync off but for the last
+    (``set_requires_gradient_sync``), each loss scaled by ``1 / micro_batches``.
+    ``after_backward()`` runs after the step's backwards (e.g. a manual
+    ``finalize_backward``), ``after_step()`` after the optimizer steps.
 
     ``record``: a context-manager factory (``count_collectives``,
     ``record_collective_bytes``, ...) entered around each step's forward and
@@ -80,25 +88,41 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
     item.
     """
     ref_opt, opt = make_opts(ref, model) if opts is None else opts
+    optimizers = [o for side in (ref_opt, opt) if side is not None
+                  for o in (side if isinstance(side, list) else [side])]
     ref_losses, losses, records = [], [], []
+    scale = 1 / micro_batches
     for batch in batches:
+        micro = [batch] if micro_batches == 1 else [
+            tuple(t.chunk(micro_batches)[m] for t in batch) for m in range(micro_batches)]
         if ref is not None:
-            ref_loss = loss_fn(ref, batch)
+            ref_loss = sum(loss_fn(ref, part) * scale if micro_batches > 1 else loss_fn(ref, part)
+                           for part in micro)
             ref_loss.backward()
-        part = batch if rank is None else rank_slice(batch, rank, world_size)
+        parts = []
         with record() if record is not None else contextlib.nullcontext() as recorded:
-            loss = loss_fn(model, part)
-            loss.backward()
+            for m, part in enumerate(micro):
+                if micro_batches > 1:
+                    model.set_requires_gradient_sync(m == micro_batches - 1)
+                part = part if rank is None else rank_slice(part, rank, world_size)
+                part_loss = loss_fn(model, part)
+                part_loss = part_loss * scale if micro_batches > 1 else part_loss
+                part_loss.backward()
+                parts.append(part_loss.detach())
         records.append(recorded)
+        if after_backward is not None:
+            after_backward()
         if ref is not None:
             # AdamW hides gradient-scale errors; compare the reduced grads directly
             assert_grads_match(ref, model, RTOL, ATOL)
-            ref_opt.step()
-            ref_opt.zero_grad()
             ref_losses.append(ref_loss.item())
-        opt.step()
-        opt.zero_grad()
-        local = rank is None or not mean
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        if after_step is not None:
+            after_step()
+        loss = parts[0] if micro_batches == 1 else torch.stack(parts).sum()  # after the step:
+        local = rank is None or not mean  # no allocation between backward and step
         losses.append(loss.item() if local else global_mean(loss).item())
     return (ref_losses, losses, records) if record is not None else (ref_losses, losses)
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from checks import assert_grads_match, check_case
+from checks import check_case, train_steps
 from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
 from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
@@ -25,7 +25,7 @@ from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 STEPS = 3
 
 
-def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
+def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
            keep_storage=False, max_input_buffers=1, **kwargs):
@@ -57,50 +57,41 @@ def _train(rank, world_size, edge=None, *, check_ref=True, accumulate=False, pre
         for a, b in zip(layers, layers[1:]):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if muon:  # fsdp2.Muon on the matrices (its own collectives), SGD on the rest
-        ref_opts = [torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], lr=0.02),
-                    torch.optim.SGD([p for p in ref.parameters() if p.ndim != 2], lr=0.1)]
-        opts = [Muon([(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.02),
-                torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.1)]
+        opts = ([torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], lr=0.02),
+                 torch.optim.SGD([p for p in ref.parameters() if p.ndim != 2], lr=0.1)],
+                [Muon([(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.02),
+                 torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.1)])
     else:
-        ref_opts, opts = [ref_opt], [opt]
+        opts = (torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
     if compiled:  # compile outside the checker; under it the compiled block runs
         mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
         model.zero_grad()
     checker = StreamChecker(skip=edge)
     seen = []
+
+    def record_post_optim_event():
+        event = checker.new_event()
+        event.record()
+        model.set_post_optim_event(event)
+
+    compare = check_ref and not edge
     with checker:
         if hook_stream:
             # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
             stream = None if mesh is not None else checker.new_stream("hook")
             model.set_all_reduce_hook(lambda t: seen.append(t.sum()), stream=stream)
-        for step in range(STEPS):
-            batch = chain_batch(step, 8)
-            micro = 2 if accumulate else 1
-            for m in range(micro):
-                if accumulate:
-                    model.set_requires_gradient_sync(m == micro - 1)
-                half = [t.chunk(micro)[m] for t in batch]
-                ref_loss = mlp_loss(ref, half) * (1 / micro)
-                ref_loss.backward()
-                loss = mlp_loss(model, rank_slice(half, rank, world_size)) * (1 / micro)
-                loss.backward()
-            if finalize_async:
-                model.finalize_backward(async_op=True).wait()
-            if check_ref and not edge:
-                assert_grads_match(ref, model, 1e-5, 1e-6)
-            for o in ref_opts + opts:
-                o.step()
-                o.zero_grad()
-            if post_optim_event:
-                event = checker.new_event()
-                event.record()
-                model.set_post_optim_event(event)
+        train_steps(
+            ref if compare else None, model, [chain_batch(step, 8) for step in range(STEPS)],
+            mlp_loss, rank, world_size, opts if compare else (None, opts[1]), mean=False,
+            micro_batches=2 if accumulate else 1,
+            after_backward=(lambda: model.finalize_backward(async_op=True).wait())
+            if finalize_async else None,
+            after_step=record_post_optim_event if post_optim_event else None,
+        )
     if hook_stream and not edge:
         assert len(seen) > 0
-    if check_ref and not edge:  # the parameters after the last step too
+    if compare:  # the parameters after the last step too
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
     return checker.errors
@@ -122,10 +113,10 @@ def _planted(rank, world_size):
     for buffers in (1, 2):  # one reduction in flight, or two (set_reduce_scatter_max_input_buffers)
         for edge in CAUGHT:
             kwargs = {"offload_policy": CPUOffloadPolicy()} if edge == "offload->optimizer" else {}
-            errors = _train(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
+            errors = _checked_run(rank, world_size, edge, post_optim_event=edge == "post_optim->all_gather",
                             max_input_buffers=buffers, **kwargs)
             out[buffers, edge] = errors[:2]
-        out[buffers, "none"] = _train(rank, world_size, max_input_buffers=buffers)
+        out[buffers, "none"] = _checked_run(rank, world_size, max_input_buffers=buffers)
     return out
 
 
@@ -160,14 +151,14 @@ CAUGHT = [e for e in comm_context.EDGES if e != "post_forward_shard->all_gather"
 
 def _case(**kwargs):
     def case(rank, world_size):
-        errors = _train(rank, world_size, **kwargs)
+        errors = _checked_run(rank, world_size, **kwargs)
         assert errors == [], "\n".join(errors[:5])
     return case
 
 
 def _hsdp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    errors = _train(rank, world_size, mesh=mesh, hook_stream=True)
+    errors = _checked_run(rank, world_size, mesh=mesh, hook_stream=True)
     assert errors == [], "\n".join(errors[:5])
 
 
@@ -196,9 +187,9 @@ def test_matrix_w2(launch_cases, name):
 
 
 def _reshard_int(rank, world_size):
-    errors = _train(rank, world_size, reshard_after_forward=2)
+    errors = _checked_run(rank, world_size, reshard_after_forward=2)
     assert errors == [], "\n".join(errors[:5])
-    planted = _train(rank, world_size, "post_forward_shard->all_gather", reshard_after_forward=2)
+    planted = _checked_run(rank, world_size, "post_forward_shard->all_gather", reshard_after_forward=2)
     assert planted and "'cat' wrote on stream 0 (compute)" in planted[0], planted[:2]
 
 
@@ -249,7 +240,7 @@ def test_matrix_w4(launch_cases, name):
 
 def _forced(rank, world_size):
     os.environ["FSDP2_FORCE_COLLECTIVES"] = "1"
-    return {"default": _train(rank, world_size)}
+    return {"default": _checked_run(rank, world_size)}
 
 
 def test_one_rank_forced_collectives(launch_cases):
