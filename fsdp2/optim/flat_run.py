@@ -11,7 +11,8 @@ each *run* (parameters of one optimizer param group whose slots follow each
 other in one buffer, all with a gradient) as one tensor: a few kernels per
 run instead of a few per parameter. Everything per run is one contiguous
 region: the parameter (a view of the buffer), the gradient (a view of the
-reduce-scatter output when it lines up with the buffer, one copy otherwise)
+reduce-scatter output when it lines up with the buffer; otherwise the run
+steps in per-parameter pieces, never copying a gradient)
 and each state tensor (``exp_avg``, ...: one buffer per key per run).
 Outside ``step`` the optimizer holds the per-parameter state it holds today:
 DTensors whose local tensors view the run's state buffers (through
@@ -72,11 +73,11 @@ class FlatRun:
         scale = buffer.element_size()
         self.offsets = [(s - starts[0]) * scale // local0.element_size() for s in starts]
         self.numels = [local_tensor(p).numel() for p in params]
-        # what the optimizer steps: the run in cache-sized pieces on CPU
-        self.bounds = _piece_bounds(self.flat)
-        self.pieces = [self.flat] if len(self.bounds) == 1 else [
-            self.flat[start:stop] for start, stop in self.bounds
-        ]
+        # what the optimizer steps: the run in cache-sized pieces on CPU (see _use_layout)
+        self.bounds: list[tuple[int, int]] = []
+        self.pieces: list[torch.Tensor] = []
+        self._piece_param: list[int] = []  # per-parameter pieces: each one's parameter
+        self._flat_layout: bool | None = None
         self.state: dict | None = None
         self.views: list[dict] | None = None
         self._piece_states: list[dict] = []
@@ -96,11 +97,12 @@ class FlatRun:
 
     # ---- gradients ------------------------------------------------------------
 
-    def flat_grad(self) -> torch.Tensor | None:
+    def flat_grad(self) -> torch.Tensor | list[torch.Tensor] | None:
         """The run's gradient as one tensor, or ``None`` if some parameter has none.
 
         A view when the gradients' local tensors lie in one region laid out
-        like the buffer (the reduce-scatter output); one copy otherwise.
+        like the buffer (the reduce-scatter output); otherwise the local
+        gradients, and the run steps in per-parameter pieces (no copy).
         """
         # one pass, no helper calls on the usual path: this runs for every parameter
         flat, grads = self.flat, []
@@ -128,10 +130,7 @@ class FlatRun:
         self.grad_was_view = aligned
         if aligned:
             return g0.as_strided((numel,), (1,), g0.storage_offset())
-        flat = torch.zeros_like(self.flat)  # padding: a zero gradient keeps it unchanged
-        for g, off, n in zip(grads, self.offsets, self.numels):
-            flat[off : off + n].copy_(g.reshape(-1))
-        return flat
+        return grads
 
     # ---- state ----------------------------------------------------------------
 
@@ -181,21 +180,48 @@ class FlatRun:
 
     # ---- the step, in pieces --------------------------------------------------
 
-    def attach(self, state: dict, grad: torch.Tensor) -> list[torch.Tensor]:
+    def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Before the step: the pieces to hand the optimizer, with their gradients and state."""
+        self._use_layout(isinstance(grad, torch.Tensor))
         pieces = self.pieces
-        if len(pieces) == 1:
+        if isinstance(grad, torch.Tensor) and len(pieces) == 1:
             pieces[0].grad = grad
-        else:
+        elif isinstance(grad, torch.Tensor):
             for piece, (start, stop) in zip(pieces, self.bounds):
                 piece.grad = grad[start:stop]
+        else:  # per-parameter pieces: (start, stop) inside parameter i's slot
+            for piece, (start, stop), i in zip(pieces, self.bounds, self._piece_param):
+                off = self.offsets[i]
+                piece.grad = grad[i].reshape(-1)[start - off : stop - off]
         if self.state is not None:
             for piece, piece_state in zip(pieces, self._piece_states):
                 state[piece] = piece_state
         return pieces
 
+    def _use_layout(self, flat: bool) -> None:
+        """Pieces over the whole run (``flat``) or within each parameter's slot."""
+        if flat == self._flat_layout:
+            return
+        self._flat_layout = flat
+        if flat:
+            self.bounds = _piece_bounds(0, self.flat.numel(), self.flat.device)
+            self._piece_param = []
+        else:
+            self.bounds, self._piece_param = [], []
+            for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+                if n:
+                    bounds = _piece_bounds(off, off + n, self.flat.device)
+                    self.bounds += bounds
+                    self._piece_param += [i] * len(bounds)
+        self.pieces = [self.flat[start:stop] for start, stop in self.bounds]
+        if self.state is not None:  # the same state, cut the new way
+            self._set_state(self.state, None)
+
     def detach(self, state: dict) -> None:
         """After the step: take the pieces' state back; publish views of new tensors only."""
+        if not self.pieces:
+            self.flat_steps += 1
+            return
         stepped = []
         for piece in self.pieces:
             piece.grad = None
@@ -217,7 +243,9 @@ class FlatRun:
         built: dict[Any, Any] = {}
         for key, value in first.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and len(stepped) > 1:
-                built[key] = torch.cat([s[key] for s in stepped])
+                built[key] = torch.zeros(self.flat.numel(), dtype=value.dtype, device=value.device)
+                for s, (start, stop) in zip(stepped, self.bounds):
+                    built[key][start:stop].copy_(s[key])
             else:
                 built[key] = value
         self._set_state(built, stepped)
@@ -226,7 +254,10 @@ class FlatRun:
     def _set_state(self, built: dict, stepped: list[dict] | None) -> None:
         """The run's state and its pieces' (each piece keeps 0-d state such as ``step`` its own)."""
         self.state = built
-        single = len(self.pieces) == 1
+        if not self.bounds:  # no layout yet: the first attach cuts the pieces
+            self._piece_states, self._first_values = [], {}
+            return
+        single = len(self.pieces) == 1 and self.bounds[0] == (0, self.flat.numel())
         piece_states = []
         for i, (start, stop) in enumerate(self.bounds):
             piece_state = {}
@@ -281,8 +312,7 @@ def _same_layout(grad: DTensor, param: DTensor) -> bool:
     return gm is pm or gm == pm
 
 
-def _piece_bounds(flat: torch.Tensor) -> list[tuple[int, int]]:
-    numel = flat.numel()
-    if flat.device.type != "cpu" or numel <= PIECE_NUMEL:
-        return [(0, numel)]
-    return [(start, min(start + PIECE_NUMEL, numel)) for start in range(0, numel, PIECE_NUMEL)]
+def _piece_bounds(begin: int, end: int, device: torch.device) -> list[tuple[int, int]]:
+    if device.type != "cpu" or end - begin <= PIECE_NUMEL:
+        return [(begin, end)]
+    return [(start, min(start + PIECE_NUMEL, end)) for start in range(begin, end, PIECE_NUMEL)]
