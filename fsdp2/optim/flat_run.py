@@ -242,7 +242,8 @@ class FlatRun:
         # the first step (or a new state object): one buffer per key for the whole run
         built: dict[Any, Any] = {}
         for key, value in first.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and len(stepped) > 1:
+            whole = self.bounds == [(0, self.flat.numel())]  # one piece, the whole run
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and not whole:
                 built[key] = torch.zeros(self.flat.numel(), dtype=value.dtype, device=value.device)
                 for s, (start, stop) in zip(stepped, self.bounds):
                     built[key][start:stop].copy_(s[key])
