@@ -3,7 +3,7 @@
 Every update must be bit-identical to the same optimizer stepping on the
 unsharded model given the same (gathered) gradients, and to the plain DTensor
 step; optimizer state stays per-parameter DTensors with the same values. See
-[Note: Flat optimizer steps] in fsdp2/optim/flat_step.py.
+[Note: Flat optimizer steps] in fsdp2/optim/flat_run.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy
-from fsdp2.optim import flat_step
+from fsdp2.optim import flat_run, step_plan
 
 ADAM_KW = dict(lr=1e-2, weight_decay=0.1)
 OPTIMS = {
@@ -137,14 +137,29 @@ def _case(name, **kw):
 
 
 def _uses_flat_runs(rank, world_size):
-    flat, opt, _ = _train(rank, world_size, OPTIMS["adamw"], steps=1)
-    swap_plans = [p for p in opt._optimizer_step_pre_hooks.values()][0].__self__._plans
-    runs = [run for _, runs, _ in swap_plans.values() for run in runs]
+    flat, opt, handle = _train(rank, world_size, OPTIMS["adamw"], steps=1)
+    runs = handle.engine.runs()
     # one run per (block or root) group and param group; no parameter left out
     assert runs and sum(len(r.params) for r in runs) == len(list(flat.parameters()))
     assert all(r.flat_steps == 1 for r in runs), [r.flat_steps for r in runs]
     if world_size > 1:  # the reduce-scatter output is the flat gradient: no copy
         assert all(r.grad_was_view for r in runs)
+
+
+def _in_pieces(name, **kw):
+    """Runs handed to the optimizer in pieces of 64 elements (CPU's cache-sized pieces, scaled down)."""
+
+    def case(rank, world_size):
+        saved, flat_run.PIECE_NUMEL = flat_run.PIECE_NUMEL, 64
+        try:
+            _, _, handle = _train(rank, world_size, OPTIMS[name], **kw)
+        finally:
+            flat_run.PIECE_NUMEL = saved
+        runs = handle.engine.runs()
+        assert any(len(r.pieces) > 1 for r in runs), "the model must have runs of several pieces"
+        assert all(r.flat_steps > 0 for r in runs)
+
+    return case
 
 
 def _dcp_round_trip(rank, world_size, path):
@@ -194,6 +209,10 @@ CASES.update(
         "offload": _case("adamw", shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
         "offload-fused": _case("adamw-fused", shard_kw={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
         "uses-flat-runs": _uses_flat_runs,
+        "pieces-adamw": _in_pieces("adamw"),
+        "pieces-adam-amsgrad": _in_pieces("adam"),
+        "pieces-sgd-foreach": _in_pieces("sgd-foreach", zero_to_none=False),
+        "pieces-missing-grad": _in_pieces("adamw", drop_grad=True, steps=4),
     }
 )
 
@@ -231,7 +250,7 @@ def _upstream(rank, world_size):
     ref = build_transformer(seed=5)
     model = copy.deepcopy(ref)
     shard_transformer(model, upstream_fully_shard, mesh=cpu_mesh())
-    assert flat_step.plan_runs(list(model.parameters()))[0] == []  # no flat buffer to step on
+    assert step_plan.plan_runs(list(model.parameters()))[0] == []  # no flat buffer to step on
     ref_opt, opt = OPTIMS["adamw"](_groups(ref)), OPTIMS["adamw"](_groups(model))
     fsdp2.enable_local_shard_step(opt)
     for step in range(2):
@@ -259,5 +278,5 @@ def test_non_elementwise_optimizer_logs_once(caplog):
     with caplog.at_level(logging.DEBUG, logger="fsdp2.optim.local_shard_step"):
         fsdp2.enable_local_shard_step(Custom([param], lr=0.1))
     assert any("Custom is not one of the elementwise" in r.message for r in caplog.records)
-    assert not flat_step.steps_flat(Custom([param], lr=0.1))
-    assert flat_step.steps_flat(torch.optim.AdamW([param]))
+    assert not step_plan.is_elementwise(Custom([param], lr=0.1))
+    assert step_plan.is_elementwise(torch.optim.AdamW([param]))

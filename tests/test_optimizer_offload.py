@@ -105,7 +105,7 @@ def _tiers_body(rank, world_size, tmp):
                 handle = fsdp2.enable_local_shard_step(opt, offload=policy)
             finally:
                 offloaded_step._FORCE_COPIES = False
-            stepper = next(h for h in handle._handles if hasattr(h, "units"))
+            stepper = handle.engine
             assert len(stepper.units) > 2, "the model must span several units"
             _train(model, opt, rank, world_size, 4)
             _assert_same(model, opt, ref, ref_opt, f"{kind}/{tier}/copies={copies}")
@@ -162,7 +162,7 @@ def _resume_body(rank, world_size, tmp):
         torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)  # the saved groups carry initial_lr
         fsdp2.load_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
         if tier is not None:  # the loaded state went to the disk, not to memory
-            _assert_files_hold_state(next(h for h in handle._handles if hasattr(h, "units")), opt)
+            _assert_files_hold_state(handle.engine, opt)
         _train(model, opt, rank, world_size, 2, first=2)
         runs.append((model, opt))
     (ref, ref_opt), (model, opt) = runs
@@ -246,7 +246,7 @@ def test_state_files_of_another_model(tmp_path):
     policy = OptimizerOffloadPolicy("nvme", tmp_path)
     first = torch.optim.AdamW(_params().parameters())
     handle = fsdp2.enable_local_shard_step(first, offload=policy)
-    stepper = next(h for h in handle._handles if hasattr(h, "units"))
+    stepper = handle.engine
     stepper.store._claim_file.held = False  # leave the claim behind, as a killed job would
     handle.remove()
     owner = tmp_path / "rank00000" / "OWNER"

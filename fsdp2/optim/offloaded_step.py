@@ -31,7 +31,6 @@ is copied back up. On CPU ranks nothing moves (tests force the copies with
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -42,35 +41,21 @@ from torch.distributed.tensor import DTensor
 from .._torch_compat import dtensor_like, local_tensor
 from ..agree import agree
 from ..api import OptimizerOffloadPolicy
-from .flat_step import ELEMENTWISE_OPTIMIZERS, steps_flat
 from .state_store import DiskStore, HostStore, StoreError, UnitLayout, release_free_heap
+from .step_plan import PARAM_COPY, Unit, ctor_args, elementwise_names, is_elementwise, plan_units
 
 logger = logging.getLogger(__name__)
 
-_PARAM = "__param__"  # the host copy of a device parameter (host tier)
 _FORCE_COPIES = False  # tests: take the accelerator path (host copies) on CPU ranks
-
-
-class _Unit:
-    def __init__(self, group: int, params: list[torch.Tensor], layout: UnitLayout) -> None:
-        self.group = group
-        self.params = params
-        self.layout = layout
-        # the parameter-shaped state keys of each parameter (not the host copy)
-        self.keys = [
-            sorted({s.key for s in layout.slots if s.param == i and s.key != _PARAM})
-            for i in range(len(params))
-        ]
 
 
 class OffloadedStep:
     """Steps ``optimizer`` unit by unit on a store's state (see [Note: Stepping in units])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: OptimizerOffloadPolicy) -> None:
-        if not steps_flat(optimizer):
-            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        if not is_elementwise(optimizer):
             raise ValueError(
-                f"OptimizerOffloadPolicy needs an elementwise optimizer ({names}); "
+                f"OptimizerOffloadPolicy needs an elementwise optimizer ({elementwise_names()}); "
                 f"{type(optimizer).__name__} may mix elements across a parameter: step it "
                 "without offload=..."
             )
@@ -81,38 +66,11 @@ class OffloadedStep:
             for g in optimizer.param_groups for p in g["params"]
         )
         self.copies = copies and policy.tier == "host"
-        self.units = self._partition()
+        self.units = plan_units(optimizer, policy.unit_bytes, self.copies)
         layouts = [u.layout for u in self.units]
         self.store = _agree_on_store(lambda: _make_store(policy, layouts))
         self._held: list[list[Any]] = []
         self._load_into_store()
-
-    # ---- layout -----------------------------------------------------------------
-
-    def _partition(self) -> list[_Unit]:
-        units = []
-        for gi, group in enumerate(self.optimizer.param_groups):
-            keys = _state_keys(self.optimizer, group)
-            run: list[torch.Tensor] = []
-            entries: list = []
-            nbytes = 0
-            for p in group["params"]:
-                local = _local(p)
-                shape, dtype = tuple(local.shape), local.dtype
-                mine = [(len(run), k, dtype, shape) for k in keys]
-                if self.copies:
-                    mine.append((len(run), _PARAM, dtype, shape))
-                size = local.numel() * dtype.itemsize * len(mine)
-                if run and nbytes + size > self.policy.unit_bytes:
-                    units.append(_Unit(gi, run, UnitLayout.of(entries)))
-                    run, entries, nbytes = [], [], 0
-                    mine = [(0, k, d, s) for _, k, d, s in mine]
-                run.append(p)
-                entries += mine
-                nbytes += size
-            if run:
-                units.append(_Unit(gi, run, UnitLayout.of(entries)))
-        return units
 
     # ---- the step ---------------------------------------------------------------
 
@@ -144,14 +102,15 @@ class OffloadedStep:
         self._held = []
 
     @torch.no_grad()
-    def _step_unit(self, unit: _Unit, views: dict, state: Any) -> None:
+    def _step_unit(self, unit: Unit, views: dict, state: Any) -> None:
+        """One unit's step on its tier's views; what the step creates moves into the tier."""
         group = self.optimizer.param_groups[unit.group]
         params, sub_state = [], {}
         for i, p in enumerate(unit.params):
             if p.grad is None:
                 continue
             local = _local(p).detach()
-            work = views[(i, _PARAM)] if self.copies else local
+            work = views[(i, PARAM_COPY)] if self.copies else local
             if self.copies:
                 work.grad = _local(p.grad).to("cpu")
             else:
@@ -162,18 +121,16 @@ class OffloadedStep:
                 }
             params.append((i, p, local, work))
         if not params:
-            return False
+            return
         hparams = {k: v for k, v in group.items() if k != "params"}
         cls = type(self.optimizer)
-        step = cls([torch.zeros(1, requires_grad=True)], **_ctor_args(cls, hparams))
+        step = cls([torch.zeros(1, requires_grad=True)], **ctor_args(cls, hparams))
         step.param_groups[0].update(hparams)
         step.param_groups[0]["params"] = [w for *_, w in params]
         step.state.update(sub_state)
         step.step()
-        created = False
         for i, p, local, work in params:
             new = step.state[work]
-            created |= any(new[k] is not views[(i, k)] for k in unit.keys[i])
             for k in unit.keys[i]:
                 if new[k] is not views[(i, k)]:  # created by this step: move it into the store
                     views[(i, k)].copy_(new[k])
@@ -181,9 +138,8 @@ class OffloadedStep:
             work.grad = None
             if self.copies:
                 local.copy_(work, non_blocking=True)
-        return created
 
-    def _keep(self, unit: _Unit, views: dict, state: Any) -> None:
+    def _keep(self, unit: Unit, views: dict, state: Any) -> None:
         """``optimizer.state`` of the unit's parameters: DTensor views of the store."""
         for i, p in enumerate(unit.params):
             if p in state:
@@ -205,7 +161,7 @@ class OffloadedStep:
                         views[(j, k)].copy_(_local(state[p][k]))
             for j, p in enumerate(unit.params):
                 if self.copies:  # the host copy the unit steps on
-                    views[(j, _PARAM)].copy_(_local(p))
+                    views[(j, PARAM_COPY)].copy_(_local(p))
             self._keep(unit, self.store.release(i), state)
         self.store.wait()
 
@@ -237,26 +193,6 @@ def _agree_on_store(make: Any) -> HostStore | DiskStore:
     """Make the store on every rank, or raise the same ``StoreError`` on every rank."""
     return agree("Cannot keep the optimizer state in its store", make, every_rank=True,
                  error_type=StoreError, undo=lambda store: store.close())
-
-
-def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
-    """The parameter-shaped state keys ``group``'s settings create, found by a step on ``meta``."""
-    hparams = {k: v for k, v in group.items() if k != "params"}
-    probe = torch.empty(2, device="meta", requires_grad=True)
-    probe.grad = torch.empty(2, device="meta")
-    args = _ctor_args(type(optimizer), hparams)
-    args["foreach"] = False  # the meta probe needs the plain loop
-    if "fused" in args:
-        args["fused"] = None
-    dry = type(optimizer)([probe], **args)
-    dry.step()
-    return sorted(k for k, v in dry.state[probe].items() if torch.is_tensor(v) and v.shape == (2,))
-
-
-def _ctor_args(cls: type, hparams: dict) -> dict:
-    # Hyperparameters the constructor does not take (added by schedulers or users) are set after.
-    accepted = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in hparams.items() if k in accepted and k != "params"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

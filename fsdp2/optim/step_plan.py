@@ -1,0 +1,152 @@
+"""Which optimizers step exactly in pieces, and how one param group is cut into runs and units.
+
+An elementwise optimizer's update of an element reads only that element's
+parameter, gradient and state (and group-wide scalars), so any grouping of
+elements into tensors gives the same bits. Two cuts use that:
+
+- ``plan_runs``: the parameters of a param group whose slots follow each
+  other in one fsdp2 flat buffer (same dtype, same ``requires_grad``) form a
+  ``FlatRun`` stepped as one tensor (see [Note: Flat optimizer steps] in
+  flat_run.py); the others are leftovers, stepped per parameter.
+- ``plan_units``: consecutive parameters of a param group holding about
+  ``unit_bytes`` of state form a ``Unit``, the piece of state a host or disk
+  tier holds as one region (see [Note: Stepping in units] in offloaded_step.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._torch_compat import local_tensor
+from ..runtime.flat_shard import flat_slot_of
+from .flat_run import FlatRun
+from .state_store import UnitLayout
+
+# Optimizers whose update of an element reads only that element's parameter,
+# gradient and state (and group-wide scalars): stepping a flat run is exact.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+
+PARAM_COPY = "__param__"  # a unit's host copy of a device parameter (host tier)
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s own class is one of ``ELEMENTWISE_OPTIMIZERS`` (not a subclass)."""
+    return type(optimizer) in ELEMENTWISE_OPTIMIZERS
+
+
+def elementwise_names() -> str:
+    return ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+
+
+def plan_runs(params: list) -> tuple[list[FlatRun], list]:
+    """Split one param group's parameters into flat runs and leftovers (stepped per parameter)."""
+    placed = []
+    leftovers = []
+    for p in params:
+        slot = flat_slot_of(p) if isinstance(p, DTensor) else None
+        if slot is None:
+            leftovers.append(p)
+        else:
+            placed.append((id(slot.buffer), slot.start, p, slot))
+    placed.sort(key=lambda e: (e[0], e[1]))
+    runs: list[FlatRun] = []
+    current: list = []
+
+    def close() -> None:
+        if current:
+            first = current[0][3]
+            starts = [e[3].start for e in current]
+            runs.append(FlatRun([e[2] for e in current], first.buffer, starts, current[-1][3].stop))
+            current.clear()
+
+    for entry in placed:
+        _, _, p, slot = entry
+        if current:
+            _, _, prev, prev_slot = current[-1]
+            if (
+                prev_slot.buffer is not slot.buffer
+                or prev_slot.stop != slot.start
+                or local_tensor(prev).dtype != local_tensor(p).dtype
+                or prev.requires_grad != p.requires_grad
+            ):
+                close()
+        current.append(entry)
+    close()
+    return runs, leftovers
+
+
+@dataclass
+class Unit:
+    """Consecutive parameters of one param group whose state is one region of a tier."""
+
+    group: int  # index into optimizer.param_groups
+    params: list[torch.Tensor]
+    layout: UnitLayout
+    # the parameter-shaped state keys of each parameter (not the host copy)
+    keys: list[list[str]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = [
+            sorted({s.key for s in self.layout.slots if s.param == i and s.key != PARAM_COPY})
+            for i in range(len(self.params))
+        ]
+
+
+def plan_units(optimizer: torch.optim.Optimizer, unit_bytes: int, copies: bool) -> list[Unit]:
+    """Cut every param group into units of about ``unit_bytes`` of state (``copies``: host copies too)."""
+    units = []
+    for gi, group in enumerate(optimizer.param_groups):
+        keys = state_keys(optimizer, group)
+        run: list[torch.Tensor] = []
+        entries: list = []
+        nbytes = 0
+        for p in group["params"]:
+            local = local_tensor(p) if isinstance(p, DTensor) else p
+            shape, dtype = tuple(local.shape), local.dtype
+            mine = [(len(run), k, dtype, shape) for k in keys]
+            if copies:
+                mine.append((len(run), PARAM_COPY, dtype, shape))
+            size = local.numel() * dtype.itemsize * len(mine)
+            if run and nbytes + size > unit_bytes:
+                units.append(Unit(gi, run, UnitLayout.of(entries)))
+                run, entries, nbytes = [], [], 0
+                mine = [(0, k, d, s) for _, k, d, s in mine]
+            run.append(p)
+            entries += mine
+            nbytes += size
+        if run:
+            units.append(Unit(gi, run, UnitLayout.of(entries)))
+    return units
+
+
+def state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
+    """The parameter-shaped state keys ``group``'s settings create, found by a step on ``meta``."""
+    hparams = {k: v for k, v in group.items() if k != "params"}
+    probe = torch.empty(2, device="meta", requires_grad=True)
+    probe.grad = torch.empty(2, device="meta")
+    args = ctor_args(type(optimizer), hparams)
+    args["foreach"] = False  # the meta probe needs the plain loop
+    if "fused" in args:
+        args["fused"] = None
+    dry = type(optimizer)([probe], **args)
+    dry.step()
+    return sorted(k for k, v in dry.state[probe].items() if torch.is_tensor(v) and v.shape == (2,))
+
+
+def ctor_args(cls: type, hparams: dict) -> dict:
+    """The hyperparameters ``cls``'s constructor takes; the others (schedulers', users') are set after."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in hparams.items() if k in accepted and k != "params"}
