@@ -64,7 +64,8 @@ def make_opts(ref, model, lr=1e-2):
 
 
 def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, mean=True,
-                record=None, micro_batches=1, after_backward=None, after_step=None):
+                record=None, micro_batches=1, after_backward=None, after_step=None,
+                set_to_none=True):
     """The tests' training loop: one optimizer step per batch; (reference losses, losses).
 
     ``model`` trains on rank ``rank``'s slice of each batch (``rank=None``: on the
@@ -80,7 +81,9 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
     gradients accumulated with the model's gradient sync off but for the last
     (``set_requires_gradient_sync``), each loss scaled by ``1 / micro_batches``.
     ``after_backward()`` runs after the step's backwards (e.g. a manual
-    ``finalize_backward``), ``after_step()`` after the optimizer steps.
+    ``finalize_backward``, clipping), ``after_step()`` after the optimizer steps
+    (a scheduler's step). ``set_to_none``: ``zero_grad``'s argument, or a function
+    of the step's index giving it.
 
     ``record``: a context-manager factory (``count_collectives``,
     ``record_collective_bytes``, ...) entered around each step's forward and
@@ -92,7 +95,7 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
                   for o in (side if isinstance(side, list) else [side])]
     ref_losses, losses, records = [], [], []
     scale = 1 / micro_batches
-    for batch in batches:
+    for index, batch in enumerate(batches):
         micro = [batch] if micro_batches == 1 else [
             tuple(t.chunk(micro_batches)[m] for t in batch) for m in range(micro_batches)]
         if ref is not None:
@@ -116,9 +119,10 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
             # AdamW hides gradient-scale errors; compare the reduced grads directly
             assert_grads_match(ref, model, RTOL, ATOL)
             ref_losses.append(ref_loss.item())
+        to_none = set_to_none(index) if callable(set_to_none) else set_to_none
         for o in optimizers:
             o.step()
-            o.zero_grad()
+            o.zero_grad(set_to_none=to_none)
         if after_step is not None:
             after_step()
         loss = parts[0] if micro_batches == 1 else torch.stack(parts).sum()  # after the step:
@@ -127,10 +131,12 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
     return (ref_losses, losses, records) if record is not None else (ref_losses, losses)
 
 
-def train_alone(model, batches, loss_fn, rank=None, world_size=1, opt=None, *, mean=True):
-    """``train_steps`` without a reference: the model's losses alone."""
+def train_alone(model, batches, loss_fn, rank=None, world_size=1, opt=None, *, mean=True,
+                **options):
+    """``train_steps`` without a reference: the model's losses alone (``options`` as there)."""
     opts = None if opt is None else (None, opt)
-    return train_steps(None, model, batches, loss_fn, rank, world_size, opts, mean=mean)[1]
+    return train_steps(None, model, batches, loss_fn, rank, world_size, opts, mean=mean,
+                       **options)[1]
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

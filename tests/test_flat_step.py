@@ -84,9 +84,13 @@ def _assert_same_state(got_opt, want_opt, where, exact=True):
                 assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (where, idx, key)
 
 
-def _train(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumulate=1,
+def _step_three_ways(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumulate=1,
            clip=False, zero_to_none=True, scheduler=False, add_group=False, drop_grad=False):
-    """Flat-step model vs DTensor-step model vs unsharded reference on the same gradients."""
+    """Flat-step model vs DTensor-step model vs unsharded reference on the same gradients.
+
+    Not ``checks.train_steps``: three optimizers step in lockstep, the reference
+    on the DTensor model's gradients (set, not computed), compared after each step.
+    """
     ref = build_transformer(seed=5)
     flat, slow = copy.deepcopy(ref), copy.deepcopy(ref)
     for m in (flat, slow):
@@ -133,11 +137,11 @@ def _train(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumul
 
 
 def _case(name, **kw):
-    return lambda rank, world_size: _train(rank, world_size, OPTIMS[name], **kw)
+    return lambda rank, world_size: _step_three_ways(rank, world_size, OPTIMS[name], **kw)
 
 
 def _uses_flat_runs(rank, world_size):
-    flat, opt, handle = _train(rank, world_size, OPTIMS["adamw"], steps=1)
+    flat, opt, handle = _step_three_ways(rank, world_size, OPTIMS["adamw"], steps=1)
     runs = handle.engine.runs()
     # one run per (block or root) group and param group; no parameter left out
     assert runs and sum(len(r.params) for r in runs) == len(list(flat.parameters()))
@@ -152,7 +156,7 @@ def _in_pieces(name, **kw):
     def case(rank, world_size):
         saved, flat_run.PIECE_NUMEL = flat_run.PIECE_NUMEL, 64
         try:
-            _, _, handle = _train(rank, world_size, OPTIMS[name], **kw)
+            _, _, handle = _step_three_ways(rank, world_size, OPTIMS[name], **kw)
         finally:
             flat_run.PIECE_NUMEL = saved
         runs = handle.engine.runs()
@@ -189,7 +193,7 @@ def _dcp_round_trip(rank, world_size, path):
 
 
 def _dcp_save(rank, world_size, path):
-    flat, opt, _ = _train(rank, world_size, OPTIMS["adamw"], steps=2)
+    flat, opt, _ = _step_three_ways(rank, world_size, OPTIMS["adamw"], steps=2)
     msd, osd = get_state_dict(flat, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
@@ -228,7 +232,7 @@ def _hsdp(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    _train(rank, world_size, OPTIMS["adamw"], mesh=mesh)
+    _step_three_ways(rank, world_size, OPTIMS["adamw"], mesh=mesh)
 
 
 def test_flat_step_hsdp():

@@ -12,6 +12,7 @@ model's files) raises the same ``StoreError`` on every rank, before any step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -24,10 +25,10 @@ import torch
 import torch.distributed as dist
 from _impl import fully_shard
 from _multiproc import run_ranks
+from checks import train_alone
 from models import (
     build_transformer,
     cpu_mesh,
-    rank_slice,
     shard_transformer,
     transformer_batch,
     transformer_loss,
@@ -55,17 +56,13 @@ def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=1e-1, momentum=0.9)
 
 
-def _train(model, opt, rank, world_size, steps, first=0):
+def _train_accumulating(model, opt, rank, world_size, steps, first=0):
+    """Accumulation without sync, clipping, a scheduler, ``zero_grad`` both ways."""
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-    for step in range(first, first + steps):
-        for micro in range(2):  # gradient accumulation without sync
-            model.set_requires_gradient_sync(micro == 1)
-            batch = transformer_batch(10 * step + micro, 2 * world_size)
-            transformer_loss(model, rank_slice(batch, rank, world_size)).backward()
-        fsdp2.clip_grad_norm_(model.parameters(), max_norm=0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
-        sched.step()
+    batches = [transformer_batch(step, 4 * world_size) for step in range(first, first + steps)]
+    train_alone(model, batches, transformer_loss, rank, world_size, opt, mean=False,
+                micro_batches=2, after_backward=lambda: fsdp2.clip_grad_norm_(model.parameters(), 0.5),
+                after_step=sched.step, set_to_none=lambda i: (first + i) % 2 == 0)
 
 
 def _assert_same(model, opt, ref_model, ref_opt, where):
@@ -85,6 +82,17 @@ def _assert_same(model, opt, ref_model, ref_opt, where):
             assert torch.equal(mine, value), f"{where}: state {idx}/{key} differs"
 
 
+@contextlib.contextmanager
+def _params_seen_on_accelerator(seen: bool):
+    """The offloaded step decides on host copies as if the parameters were (not) on a GPU."""
+    decide = offloaded_step.params_on_accelerator
+    offloaded_step.params_on_accelerator = lambda optimizer: seen
+    try:
+        yield
+    finally:
+        offloaded_step.params_on_accelerator = decide
+
+
 def _tiers_body(rank, world_size, tmp):
     tiers = [("host", False), ("nvme", False), ("host", True)]
     for kind in ("adamw", "adam-fused", "sgd"):
@@ -92,22 +100,19 @@ def _tiers_body(rank, world_size, tmp):
         shard_transformer(ref, fully_shard, mesh=cpu_mesh())
         ref_opt = _optimizer(ref, kind)
         fsdp2.enable_local_shard_step(ref_opt)
-        _train(ref, ref_opt, rank, world_size, 4)
+        _train_accumulating(ref, ref_opt, rank, world_size, 4)
         for tier, copies in tiers:
             model = build_transformer(seed=5)
             shard_transformer(model, fully_shard, mesh=cpu_mesh())
             opt = _optimizer(model, kind)
-            offloaded_step._FORCE_COPIES = copies
-            try:
-                policy = OptimizerOffloadPolicy(
-                    tier=tier, directory=os.path.join(tmp, f"{kind}-{tier}"), unit_bytes=512
-                )
+            policy = OptimizerOffloadPolicy(
+                tier=tier, directory=os.path.join(tmp, f"{kind}-{tier}"), unit_bytes=512
+            )
+            with _params_seen_on_accelerator(copies):  # the host copies, forced on CPU
                 handle = fsdp2.enable_local_shard_step(opt, offload=policy)
-            finally:
-                offloaded_step._FORCE_COPIES = False
             stepper = handle.engine
             assert len(stepper.units) > 2, "the model must span several units"
-            _train(model, opt, rank, world_size, 4)
+            _train_accumulating(model, opt, rank, world_size, 4)
             _assert_same(model, opt, ref, ref_opt, f"{kind}/{tier}/copies={copies}")
             if tier == "nvme":
                 _assert_files_hold_state(stepper, opt)
@@ -142,7 +147,7 @@ def _save_body(rank, world_size, tmp):
     opt = _optimizer(model, "adamw")
     policy = OptimizerOffloadPolicy(tier="nvme", directory=os.path.join(tmp, "w4"), unit_bytes=512)
     handle = fsdp2.enable_local_shard_step(opt, offload=policy)
-    _train(model, opt, rank, world_size, 2)
+    _train_accumulating(model, opt, rank, world_size, 2)
     fsdp2.save_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
     handle.remove()
 
@@ -163,7 +168,7 @@ def _resume_body(rank, world_size, tmp):
         fsdp2.load_checkpoint(os.path.join(tmp, "ckpt"), model, opt)
         if tier is not None:  # the loaded state went to the disk, not to memory
             _assert_files_hold_state(handle.engine, opt)
-        _train(model, opt, rank, world_size, 2, first=2)
+        _train_accumulating(model, opt, rank, world_size, 2, first=2)
         runs.append((model, opt))
     (ref, ref_opt), (model, opt) = runs
     _assert_same(model, opt, ref, ref_opt, "resumed at W=2")

@@ -25,8 +25,8 @@ stays in memory.
 With parameters on an accelerator the ``host`` tier keeps an fp32-exact
 host copy of each parameter shard in the unit's region too: the gradient
 shard is copied down, the unit steps on the host, and the parameter shard
-is copied back up. On CPU ranks nothing moves (tests force the copies with
-``_FORCE_COPIES``).
+is copied back up. On CPU ranks nothing moves (tests take the copying path
+on CPU by standing in for ``params_on_accelerator``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ from .step_plan import PARAM_COPY, Unit, ctor_args, elementwise_names, is_elemen
 
 logger = logging.getLogger(__name__)
 
-_FORCE_COPIES = False  # tests: take the accelerator path (host copies) on CPU ranks
+
+def params_on_accelerator(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter's local shard is off the host (the host tier then copies)."""
+    return any(
+        local_tensor(p).device.type != "cpu" if isinstance(p, DTensor) else p.device.type != "cpu"
+        for g in optimizer.param_groups for p in g["params"]
+    )
 
 
 class OffloadedStep:
@@ -61,11 +67,7 @@ class OffloadedStep:
             )
         self.optimizer = optimizer
         self.policy = policy
-        copies = _FORCE_COPIES or any(
-            local_tensor(p).device.type != "cpu" if isinstance(p, DTensor) else p.device.type != "cpu"
-            for g in optimizer.param_groups for p in g["params"]
-        )
-        self.copies = copies and policy.tier == "host"
+        self.copies = policy.tier == "host" and params_on_accelerator(optimizer)
         self.units = plan_units(optimizer, policy.unit_bytes, self.copies)
         layouts = [u.layout for u in self.units]
         self.store = _agree_on_store(lambda: _make_store(policy, layouts))
