@@ -2,7 +2,7 @@
 
 Each planted missing wait must be caught; the training matrix must run with no
 race and match the unsharded reference. See [Note: Streams] in
-fsdp2/runtime/streams.py.
+fsdp2/runtime/comm_context.py.
 """
 
 from __future__ import annotations
