@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2 import OptimizerOffloadPolicy
-from fsdp2.optim import offloaded_step
+from fsdp2.optim import unit_step
 from fsdp2.optim.state_store import StoreError
 
 pytestmark = pytest.mark.skipif(
@@ -85,12 +85,12 @@ def _assert_same(model, opt, ref_model, ref_opt, where):
 @contextlib.contextmanager
 def _params_seen_on_accelerator(seen: bool):
     """The offloaded step decides on host copies as if the parameters were (not) on a GPU."""
-    decide = offloaded_step.params_on_accelerator
-    offloaded_step.params_on_accelerator = lambda optimizer: seen
+    decide = unit_step.params_on_accelerator
+    unit_step.params_on_accelerator = lambda optimizer: seen
     try:
         yield
     finally:
-        offloaded_step.params_on_accelerator = decide
+        unit_step.params_on_accelerator = decide
 
 
 def _tiers_body(rank, world_size, tmp):
@@ -123,7 +123,7 @@ def _tiers_body(rank, world_size, tmp):
 
 def _assert_files_hold_state(stepper, opt):
     """The state the optimizer reports is what the unit files hold (the disk is the state)."""
-    store = stepper.store
+    store = stepper.tier
     for i, unit in enumerate(stepper.units):
         on_disk = {
             dt: torch.from_file(str(path), shared=False, size=unit.layout.numel[dt], dtype=dt)
@@ -139,6 +139,43 @@ def _assert_files_hold_state(stepper, opt):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_tiers_step_like_memory(world_size, tmp_path):
     run_ranks(_tiers_body, world_size, str(tmp_path))
+
+
+def _one_cut_body(rank, world_size, tmp):
+    """Memory, host and disk tiers: the same runs, units cut from them, the same bits."""
+    trained = []
+    for tier in (None, "host", "nvme"):
+        model = build_transformer(seed=5)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        policy = tier and OptimizerOffloadPolicy(
+            tier=tier, directory=os.path.join(tmp, f"cut-{tier}"), unit_bytes=512
+        )
+        handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+        _train_accumulating(model, opt, rank, world_size, 2)
+        names = {p: n for n, p in model.named_parameters()}
+        runs = [[names[p] for p in r.params] for r in handle.engine.runs()]
+        units = [[names[p] for p in u.params] for u in handle.engine.units]
+        trained.append((model, opt, handle, runs, units))
+    (ref, ref_opt, ref_handle, runs, no_units), *stores = trained
+    assert no_units == [] and not ref_handle.engine.tier.in_units  # one call over all runs
+    assert runs and sum(map(len, runs)) == len(names), "every parameter in a flat run"
+    run_of = {name: i for i, run in enumerate(runs) for name in run}
+    for model, opt, handle, store_runs, units in stores:
+        where = type(handle.engine.tier).__name__
+        assert store_runs == runs, f"{where}: another cut than in memory"
+        assert len(units) > len(runs), f"{where}: unit_bytes=512 must split runs"
+        assert [n for u in units for n in u] == [n for r in runs for n in r], where
+        assert all(len({run_of[n] for n in u}) == 1 for u in units), f"{where}: a unit spans runs"
+        _assert_same(model, opt, ref, ref_opt, where)
+        handle.remove()
+    assert stores[0][4] == stores[1][4], "host and disk tiers hold different units"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_one_cut_for_every_tier(world_size, tmp_path):
+    """In memory, host and disk tiers plan the same runs (units split from them) and step alike."""
+    run_ranks(_one_cut_body, world_size, str(tmp_path))
 
 
 def _save_body(rank, world_size, tmp):
@@ -252,7 +289,7 @@ def test_state_files_of_another_model(tmp_path):
     first = torch.optim.AdamW(_params().parameters())
     handle = fsdp2.enable_local_shard_step(first, offload=policy)
     stepper = handle.engine
-    stepper.store._claim_file.held = False  # leave the claim behind, as a killed job would
+    stepper.tier._claim_file.held = False  # leave the claim behind, as a killed job would
     handle.remove()
     owner = tmp_path / "rank00000" / "OWNER"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -46,9 +46,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import dtensor_like, local_tensor, same_dtensor_spec
+from .._torch_compat import local_tensor, same_dtensor_spec
 from ..runtime.flat_shard import flat_slot_of
 from ..runtime.shard_storage import own_storage
+from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
 PIECE_NUMEL = 1 << 16
@@ -290,18 +291,15 @@ class FlatRun:
                     view[key] = vector[i]
             elif isinstance(value, torch.Tensor) and value.shape == self.flat.shape:
                 for p, view, off, n in zip(self.params, views, self.offsets, self.numels):
-                    local = local_tensor(p)
                     piece = value[off : off + n]
                     piece = own_storage(piece) if n else piece
-                    view[key] = dtensor_like(p, piece.view(local.shape))
+                    view[key] = piece.view(local_tensor(p).shape)
             else:  # shared as it is (e.g. a Python number)
                 for view in views:
                     view[key] = value
         self._scalars = scalars
-        self.views = views
+        self.views = [publish(state, p, view) for p, view in zip(self.params, views)]
         self._state_of = state
-        for p, view in zip(self.params, views):
-            state[p] = view
 
 
 def _same_layout(grad: DTensor, param: DTensor) -> bool:

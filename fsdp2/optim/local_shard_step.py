@@ -20,7 +20,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..api import OptimizerOffloadPolicy
-from .offloaded_step import OffloadedStep
 from .step_engine import StepEngine
 
 __all__ = ["enable_local_shard_step"]
@@ -29,20 +28,20 @@ __all__ = ["enable_local_shard_step"]
 class LocalShardStepHandle:
     """Returned by :func:`enable_local_shard_step`; ``remove()`` turns the fast path off.
 
-    ``engine`` is what steps: a ``StepEngine`` (state in memory) or an
-    ``OffloadedStep`` (state in a host or disk tier, which ``remove()`` brings
-    back into memory).
+    ``engine`` is the ``StepEngine`` that steps (its ``tier`` says where the
+    state lives; ``remove()`` brings state in a host or disk tier back into
+    memory).
     """
 
-    def __init__(self, engine: StepEngine | OffloadedStep, hooks: list[RemovableHandle]) -> None:
+    def __init__(self, engine: StepEngine, hooks: list[RemovableHandle]) -> None:
         self.engine = engine
         self._hooks = hooks
 
     def remove(self) -> None:
-        """Unregister the hooks; an offloaded engine's state comes back into ordinary memory."""
+        """Unregister the hooks; state in a host or disk tier comes back into ordinary memory."""
         for hook in self._hooks:
             hook.remove()
-        if self._hooks and isinstance(self.engine, OffloadedStep):
+        if self._hooks:
             self.engine.close()
         self._hooks = []
 
@@ -74,9 +73,9 @@ def enable_local_shard_step(
 
     ``offload``: an :class:`~fsdp2.OptimizerOffloadPolicy` moves the
     optimizer's state to host memory or to files on a local disk and steps
-    unit by unit there, with the same updates, bit for bit (see
-    [Note: Stepping in units] in ``offloaded_step.py``) instead of the flat
-    runs. Only for the same elementwise optimizers (their own classes, not
+    unit by unit there (units cut from the same flat runs), with the same
+    updates, bit for bit (see [Note: Stepping in units] in ``unit_step.py``).
+    Only for the same elementwise optimizers (their own classes, not
     subclasses); the parameters must not change after this call. ``remove()`` brings the state
     back into ordinary memory.
 
@@ -91,21 +90,12 @@ def enable_local_shard_step(
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if offload is not None:
-        offloaded = OffloadedStep(optimizer, offload)
-        return LocalShardStepHandle(
-            offloaded,
-            [
-                optimizer.register_step_pre_hook(offloaded.before_step),
-                optimizer.register_step_post_hook(offloaded.after_step),
-                optimizer.register_load_state_dict_post_hook(offloaded.after_load),
-            ],
-        )
-    engine = StepEngine(optimizer, flat_buffers)
+    engine = StepEngine(optimizer, flat_buffers=flat_buffers, offload=offload)
     return LocalShardStepHandle(
         engine,
         [
             optimizer.register_step_pre_hook(engine.before_step),
             optimizer.register_step_post_hook(engine.after_step),
+            optimizer.register_load_state_dict_post_hook(engine.after_load),
         ],
     )

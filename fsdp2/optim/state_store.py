@@ -1,11 +1,16 @@
-"""Where an offloaded optimizer's state lives: one host buffer, or files on a local disk, per unit.
+"""Where an optimizer's state lives: the tiers of the step engine (memory, host, disk).
 
 [Note: Optimizer state tiers]
 An optimizer's per-parameter state (Adam's two moments, SGD's momentum, ...)
 is two or three times the parameters, and it is touched once per step, by an
 elementwise kernel. So it need not stay in device memory, nor even in host
-memory: ``offloaded_step.py`` steps the parameters in *units* (consecutive
-parameters of one parameter group) and this module keeps each unit's
+memory. Each tier is a ``StateTier``: ``views(unit)`` (a unit's state
+tensors), ``prefetch(unit)``, ``release(unit)``, ``wait()``, ``close()``.
+The step engine (step_engine.py) cuts every param group once (step_plan.py);
+``MemoryTier`` leaves the state where the optimizer made it (in flat run
+buffers or local tensors, ``in_units`` false: one optimizer call over all
+runs), while the store tiers step the parameters in *units* (a run, or part
+of one; see [Note: Stepping in units] in unit_step.py) and keep each unit's
 parameter-shaped state tensors in one contiguous region per dtype:
 
 - ``HostStore``: a host buffer per unit and dtype (pinned where a GPU is
@@ -47,12 +52,19 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
+from ..agree import agree
+from ..api import OptimizerOffloadPolicy
 from ..claim_file import ClaimFile, Owner, OwnerStatus
 
-__all__ = ["DiskStore", "HostStore", "Slot", "StoreError", "UnitLayout", "release_free_heap"]
+__all__ = [
+    "DiskStore", "HostStore", "MemoryTier", "Slot", "StateTier", "StoreError", "UnitLayout",
+    "open_tier", "release_free_heap",
+]
 
 
 class StoreError(RuntimeError):
@@ -113,8 +125,69 @@ def _views(regions: dict[torch.dtype, torch.Tensor], layout: UnitLayout) -> dict
     }
 
 
+class StateTier(Protocol):
+    """Where the step engine keeps optimizer state (see [Note: Optimizer state tiers])."""
+
+    # True: state lives in the tier's regions, stepped unit by unit on ``views``;
+    # False: state stays where the optimizer made it, stepped in one call
+    in_units: bool
+
+    def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """``unit``'s state tensors, by (parameter index in the unit, key)."""
+
+    def prefetch(self, unit: int) -> None:
+        """``unit`` steps soon: start bringing its state in (any index; past the end is a no-op)."""
+
+    def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """``unit`` stepped: let its state go; returns the views ``optimizer.state`` keeps."""
+
+    def wait(self) -> None:
+        """Block until every released unit is where it belongs."""
+
+    def close(self) -> None:
+        """Release the tier's resources (buffers, files' claim)."""
+
+
+class MemoryTier:
+    """State stays where the optimizer made it: flat run buffers or each local shard's tensors."""
+
+    in_units = False
+
+    def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        raise AssertionError("MemoryTier holds no units: the engine steps it in one call")
+
+    def prefetch(self, unit: int) -> None:
+        """Nothing to read: the state is in memory."""
+
+    def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        raise AssertionError("MemoryTier holds no units: the engine steps it in one call")
+
+    def wait(self) -> None:
+        """Nothing is written behind."""
+
+    def close(self) -> None:
+        """Nothing to give back."""
+
+
+def open_tier(policy: OptimizerOffloadPolicy | None, layouts: list[UnitLayout]) -> StateTier:
+    """The tier ``policy`` asks for, holding units of ``layouts``; the same error on every rank."""
+    if policy is None:
+        return MemoryTier()
+
+    def make() -> HostStore | DiskStore:
+        if policy.tier == "host":
+            return HostStore(layouts, policy.pin_memory)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return DiskStore(policy.directory, rank, layouts, policy.units_in_memory)
+
+    return agree("Cannot keep the optimizer state in its store", make, every_rank=True,
+                 error_type=StoreError, undo=lambda store: store.close())
+
+
 class HostStore:
     """Each unit's state in one host buffer per dtype, resident (see [Note: Optimizer state tiers])."""
+
+    in_units = True
 
     def __init__(self, layouts: list[UnitLayout], pin_memory: bool) -> None:
         pin = pin_memory and torch.cuda.is_available()
@@ -142,6 +215,8 @@ class HostStore:
 
 class DiskStore:
     """Each unit's state in files under one folder per rank (see [Note: Optimizer state tiers])."""
+
+    in_units = True
 
     def __init__(
         self, directory: str | os.PathLike, rank: int, layouts: list[UnitLayout], in_flight: int

@@ -1,16 +1,21 @@
-"""Which optimizers step exactly in pieces, and how one param group is cut into runs and units.
+"""The one cut: which optimizers step exactly in pieces, and how a param group is cut for a step.
 
 An elementwise optimizer's update of an element reads only that element's
 parameter, gradient and state (and group-wide scalars), so any grouping of
-elements into tensors gives the same bits. Two cuts use that:
+elements into tensors gives the same bits. Every tier of the step engine
+(step_engine.py) cuts a param group the same way:
 
-- ``plan_runs``: the parameters of a param group whose slots follow each
-  other in one fsdp2 flat buffer (same dtype, same ``requires_grad``) form a
-  ``FlatRun`` stepped as one tensor (see [Note: Flat optimizer steps] in
-  flat_run.py); the others are leftovers, stepped per parameter.
-- ``plan_units``: consecutive parameters of a param group holding about
-  ``unit_bytes`` of state form a ``Unit``, the piece of state a host or disk
-  tier holds as one region (see [Note: Stepping in units] in offloaded_step.py).
+- ``plan_group``: the parameters whose slots follow each other in one fsdp2
+  flat buffer (same dtype, same ``requires_grad``) form a ``FlatRun`` (see
+  [Note: Flat optimizer steps] in flat_run.py); the others are leftovers,
+  stepped per parameter (the fallback). The in-memory tier steps each run as
+  one tensor.
+- ``plan_units``: a store tier (host, disk) holds state in *units* of about
+  ``unit_bytes``, made from those runs: a run, or a run split at parameter
+  boundaries where it exceeds ``unit_bytes``; the leftovers are cut the same
+  way, in param-group order (see [Note: Stepping in units] in unit_step.py).
+  So where a parameter's state lives is decided on the runs the in-memory
+  tier steps.
 """
 
 from __future__ import annotations
@@ -51,16 +56,41 @@ def elementwise_names() -> str:
     return ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
 
 
+@dataclass
+class GroupPlan:
+    """One param group cut into flat runs and leftovers (stepped per parameter)."""
+
+    param_ids: tuple[int, ...]  # the group's parameters when it was planned
+    runs: list[FlatRun]
+    leftovers: list
+
+    def holds(self, params: list) -> bool:
+        """Whether the plan still describes ``params`` (same list, every run still flat)."""
+        return self.param_ids == tuple(map(id, params)) and all(r.still_flat() for r in self.runs)
+
+
+def plan_group(params: list, flat: bool) -> GroupPlan:
+    """Cut one param group's parameters into flat runs (``flat``) and leftovers."""
+    runs, leftovers = plan_runs(params) if flat else ([], list(params))
+    return GroupPlan(tuple(map(id, params)), runs, leftovers)
+
+
 def plan_runs(params: list) -> tuple[list[FlatRun], list]:
-    """Split one param group's parameters into flat runs and leftovers (stepped per parameter)."""
+    """Split one param group's parameters into flat runs and leftovers (stepped per parameter).
+
+    Runs come in the order of their buffers' first parameter in ``params``, so
+    every rank and every restart cuts alike (a disk tier's layout fingerprint).
+    """
     placed = []
     leftovers = []
-    for p in params:
+    first_seen: dict[int, int] = {}  # id(buffer) -> its first parameter's index in params
+    for i, p in enumerate(params):
         slot = flat_slot_of(p) if isinstance(p, DTensor) else None
         if slot is None:
             leftovers.append(p)
         else:
-            placed.append((id(slot.buffer), slot.start, p, slot))
+            order = first_seen.setdefault(id(slot.buffer), i)
+            placed.append((order, slot.start, p, slot))
     placed.sort(key=lambda e: (e[0], e[1]))
     runs: list[FlatRun] = []
     current: list = []
@@ -90,7 +120,7 @@ def plan_runs(params: list) -> tuple[list[FlatRun], list]:
 
 @dataclass
 class Unit:
-    """Consecutive parameters of one param group whose state is one region of a tier."""
+    """Consecutive parameters of one run (or of the leftovers) whose state is one region of a tier."""
 
     group: int  # index into optimizer.param_groups
     params: list[torch.Tensor]
@@ -105,32 +135,45 @@ class Unit:
         ]
 
 
-def plan_units(optimizer: torch.optim.Optimizer, unit_bytes: int, copies: bool) -> list[Unit]:
-    """Cut every param group into units of about ``unit_bytes`` of state (``copies``: host copies too)."""
+def plan_units(
+    optimizer: torch.optim.Optimizer, plans: list[GroupPlan], unit_bytes: int, copies: bool
+) -> list[Unit]:
+    """Units of about ``unit_bytes`` of state made from each group's runs, then its leftovers.
+
+    ``plans[i]`` is ``optimizer.param_groups[i]``'s cut; ``copies``: each unit
+    also holds a host copy of its parameters.
+    """
     units = []
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi, (group, plan) in enumerate(zip(optimizer.param_groups, plans)):
         keys = state_keys(optimizer, group)
-        run: list[torch.Tensor] = []
-        entries: list = []
-        nbytes = 0
-        for p in group["params"]:
-            local = local_tensor(p) if isinstance(p, DTensor) else p
-            shape, dtype = tuple(local.shape), local.dtype
-            mine = [(len(run), k, dtype, shape) for k in keys]
-            if copies:
-                mine.append((len(run), PARAM_COPY, dtype, shape))
-            size = local.numel() * dtype.itemsize * len(mine)
-            if run and nbytes + size > unit_bytes:
-                units.append(Unit(gi, run, UnitLayout.of(entries)))
-                run, entries, nbytes = [], [], 0
-                mine = [(0, k, d, s) for _, k, d, s in mine]
-            run.append(p)
-            entries += mine
-            nbytes += size
-        if run:
-            units.append(Unit(gi, run, UnitLayout.of(entries)))
+        for params in [run.params for run in plan.runs] + [plan.leftovers]:
+            units += _cut(gi, params, keys, unit_bytes, copies)
     return units
 
+
+def _cut(group: int, params: list, keys: list[str], unit_bytes: int, copies: bool) -> list[Unit]:
+    """``params`` split at parameter boundaries into units of at most ``unit_bytes`` (or one parameter)."""
+    units = []
+    run: list[torch.Tensor] = []
+    entries: list = []
+    nbytes = 0
+    for p in params:
+        local = local_tensor(p) if isinstance(p, DTensor) else p
+        shape, dtype = tuple(local.shape), local.dtype
+        mine = [(len(run), k, dtype, shape) for k in keys]
+        if copies:
+            mine.append((len(run), PARAM_COPY, dtype, shape))
+        size = local.numel() * dtype.itemsize * len(mine)
+        if run and nbytes + size > unit_bytes:
+            units.append(Unit(group, run, UnitLayout.of(entries)))
+            run, entries, nbytes = [], [], 0
+            mine = [(0, k, d, s) for _, k, d, s in mine]
+        run.append(p)
+        entries += mine
+        nbytes += size
+    if run:
+        units.append(Unit(group, run, UnitLayout.of(entries)))
+    return units
 
 def state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
     """The parameter-shaped state keys ``group``'s settings create, found by a step on ``meta``."""

@@ -1,0 +1,107 @@
+"""One unit's step on a store tier's state views (the step engine's unit-by-unit strategy).
+
+[Note: Stepping in units]
+``enable_local_shard_step(optim, offload=OptimizerOffloadPolicy(...))``
+keeps the state in a host or disk tier (state_store.py) and replaces
+``optim.step()``'s work by a loop over *units*: the flat runs of the one cut
+(step_plan.py), split at parameter boundaries into about ``unit_bytes`` of
+state, and the leftovers cut the same way. Each unit is stepped by a private
+optimizer of the same class with the group's current hyperparameters, on the
+parameters' local shards, their gradients and the unit's state tensors,
+which are views of the unit's region in the tier. The optimizers this
+accepts are elementwise, so each element's update is the same computation
+whichever tensors share a kernel call: the result is bit for bit the step the
+optimizer would take on its own. The optimizer's own ``step`` then runs on
+empty parameter lists (its hooks run once, as before) and the lists come back
+after it.
+
+A parameter's state is first created by the unit's step (so its values are
+the optimizer's own initial state), then copied into the tier and replaced
+by views of it. ``optimizer.state`` keeps DTensor-wrapped views of the tier
+(state_views.py), so ``state_dict()``, DCP and ``save_checkpoint`` read the
+state wherever it lives, and ``load_state_dict`` (DCP's load goes through it)
+copies the loaded values into the tier. Scalar state (Adam's ``step``) stays
+in memory.
+
+With parameters on an accelerator the ``host`` tier keeps an fp32-exact
+host copy of each parameter shard in the unit's region too: the gradient
+shard is copied down, the unit steps on the host, and the parameter shard
+is copied back up. On CPU ranks nothing moves (tests take the copying path
+on CPU by standing in for ``params_on_accelerator``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state_views import local_of, publish
+from .step_plan import PARAM_COPY, Unit, ctor_args
+
+
+def params_on_accelerator(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter's local shard is off the host (the host tier then copies)."""
+    return any(
+        local_of(p).device.type != "cpu" for g in optimizer.param_groups for p in g["params"]
+    )
+
+
+@torch.no_grad()
+def step_unit(
+    optimizer: torch.optim.Optimizer, unit: Unit, views: dict, state: dict, copies: bool
+) -> None:
+    """One unit's step on its tier's ``views``; what the step creates moves into the tier.
+
+    ``copies``: the unit steps on the host copies in ``views`` and copies the
+    parameters back.
+    """
+    group = optimizer.param_groups[unit.group]
+    params, sub_state = [], {}
+    for i, p in enumerate(unit.params):
+        if p.grad is None:
+            continue
+        local = local_of(p).detach()
+        work = views[(i, PARAM_COPY)] if copies else local
+        work.grad = local_of(p.grad).to("cpu") if copies else local_of(p.grad)
+        if p in state:
+            sub_state[work] = {
+                k: views[(i, k)] if k in unit.keys[i] else v for k, v in state[p].items()
+            }
+        params.append((i, p, local, work))
+    if not params:
+        return
+    hparams = {k: v for k, v in group.items() if k != "params"}
+    cls = type(optimizer)
+    step = cls([torch.zeros(1, requires_grad=True)], **ctor_args(cls, hparams))
+    step.param_groups[0].update(hparams)
+    step.param_groups[0]["params"] = [w for *_, w in params]
+    step.state.update(sub_state)
+    step.step()
+    for i, p, local, work in params:
+        new = step.state[work]
+        for k in unit.keys[i]:
+            if new[k] is not views[(i, k)]:  # created by this step: move it into the tier
+                views[(i, k)].copy_(new[k])
+        state[p] = {k: (views[(i, k)] if k in unit.keys[i] else v) for k, v in new.items()}
+        work.grad = None
+        if copies:
+            local.copy_(work, non_blocking=True)
+
+
+def keep(unit: Unit, views: dict, state: dict) -> None:
+    """``optimizer.state`` of the unit's parameters: views of the tier (DTensors where sharded)."""
+    for i, p in enumerate(unit.params):
+        if p in state:
+            publish(state, p, {
+                k: views[(i, k)] if k in unit.keys[i] else v for k, v in state[p].items()
+            })
+
+
+@torch.no_grad()
+def load_unit(unit: Unit, views: dict, state: dict, copies: bool) -> None:
+    """Copy whatever ``state`` holds for the unit (a load, an earlier step) into ``views``."""
+    for j, p in enumerate(unit.params):
+        for k in unit.keys[j] if p in state else ():
+            if k in state[p]:
+                views[(j, k)].copy_(local_of(state[p][k]))
+        if copies:  # the host copy the unit steps on
+            views[(j, PARAM_COPY)].copy_(local_of(p))
