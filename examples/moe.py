@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -133,11 +134,15 @@ class MoEModel(nn.Module):
         self.layers = nn.ModuleList(MoEBlock(args) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim)
         self.head = nn.Linear(args.dim, args.vocab, bias=False)
+        self.checkpoint_layers = False  # activation checkpointing of every block
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpoint_layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return self.head(self.norm(x))
 
 

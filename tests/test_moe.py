@@ -16,10 +16,13 @@ and, on gloo, ``set_force_sum_reduction_for_comms``), as the reference's mean.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as upstream
 from _impl import IMPL, ShardPlacementResult, fully_shard
 from checks import (
@@ -27,6 +30,7 @@ from checks import (
     check_case,
     full_params,
     on_collectives,
+    train_alone,
     train_steps,
 )
 from models import (
@@ -39,6 +43,8 @@ from models import (
     toy_moe,
 )
 from torch.distributed.tensor import DTensor, Shard
+
+from fsdp2 import clip_grad_norm_, enable_local_shard_step
 
 pytestmark = pytest.mark.skipif(
     ShardPlacementResult is None, reason="torch before 2.12 has no ShardPlacementResult"
@@ -90,7 +96,7 @@ def _impls():
 
 
 def _parity(ep, num_experts, placement, steps=STEPS, division="world", shard_kw=None,
-            **train):
+            setup=None, check_ref=True, **train):
     """Train every implementation against the reference; implementations equal bitwise."""
 
     def case(rank, world_size):
@@ -108,8 +114,14 @@ def _parity(ep, num_experts, placement, steps=STEPS, division="world", shard_kw=
             ), experts.placements
             assert_params_match(ref, model, rtol=0, atol=0)
             reference = copy.deepcopy(ref)
+            more = setup(model, reference) if setup is not None else {}
+            if not check_ref:
+                reference = None
             ref_losses, losses = train_steps(reference, model, batches, loss_fn, rank,
-                                             world_size, mean=division != "off", **train)
+                                             world_size, mean=division != "off", **train, **more)
+            if reference is None:
+                runs.append((losses, full_params(model)))
+                continue
             if division == "off":  # each rank's share: their sum is the global mean
                 losses = torch.tensor(losses)
                 dist.all_reduce(losses)
@@ -125,7 +137,70 @@ def _parity(ep, num_experts, placement, steps=STEPS, division="world", shard_kw=
     return case
 
 
-def _collective_order(ep, num_experts, **kwargs):
+def _unused_params(model, ref):
+    for m in (model, *model.layers):
+        m.set_reduce_scatter_unused_params(True)
+    return {}
+
+
+def _explicit_prefetch(model, ref=None):
+    """torchtitan's lists: each block prefetches the next in forward, the previous in backward."""
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    return {}
+
+
+def _checkpointed(model, ref):
+    model.checkpoint_layers = ref.checkpoint_layers = True
+    return {}
+
+
+def _clipped(model, ref):
+    """One clip_grad_norm_ over parameters on dp, efsdp x ep: the reference's norm, once."""
+
+    def clip():
+        norm = clip_grad_norm_(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm,
+                                   ref_norm, rtol=1e-5, atol=1e-6)
+
+    return {"after_backward": clip}
+
+
+def _flat_step(model, ref):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    enable_local_shard_step(opt)
+    return {"opts": (torch.optim.AdamW(ref.parameters(), lr=1e-2), opt)}
+
+
+def _dcp_round_trip(rank, world_size):
+    """state_dict() through DCP into a model of other values: the same parameters, bitwise."""
+    dp, sparse = moe_meshes("cpu", 2)
+    model = _sharded(toy_moe(), fully_shard, ShardPlacementResult, dp, sparse, 2, world_size)
+    train_alone(model, [moe_batch(0, PER_RANK * world_size)], moe_loss, rank, world_size)
+    folder = [tempfile.mkdtemp(prefix="fsdp2-moe-") if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder[0])
+    other = _sharded(toy_moe(seed=1), fully_shard, ShardPlacementResult, dp, sparse, 2,
+                     world_size)
+    state = {"model": other.state_dict()}
+    dcp.load(state, checkpoint_id=folder[0])
+    other.load_state_dict(state["model"])
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), name
+    batch = moe_batch(1, PER_RANK * world_size)
+    assert train_alone(model, [batch], moe_loss, rank, world_size) == train_alone(
+        other, [batch], moe_loss, rank, world_size)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+
+
+def _collective_order(ep, num_experts, setup=None, **kwargs):
     """One step's collectives (kind, ranks, numel), in order, equal to upstream's."""
 
     def case(rank, world_size):
@@ -137,6 +212,8 @@ def _collective_order(ep, num_experts, **kwargs):
         logs = []
         for fs, result_cls in _impls():
             model = _sharded(ref, fs, result_cls, dp, sparse, ep, world_size, **kwargs)
+            if setup is not None:
+                setup(model)
             log = []
 
             def record(kind, args, kwargs, log=log):
@@ -212,7 +289,27 @@ CASES_4 = {
     "ep1_shard1_plain": _parity(1, 2, Shard(1)),
     "order_ep2": _collective_order(2, 4),
     "order_ep2_shard1": _collective_order(2, 2),
+    "order_prefetch": _collective_order(2, 4, setup=_explicit_prefetch),
+    "order_raf2": _collective_order(2, 4, reshard_after_forward=2),
     "refusals": _refusals,
+}
+_UP = upstream  # upstream's policy objects: fsdp2 accepts them too
+COMPOSE_4 = {
+    "raf_true": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": True}),
+    "raf_false": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": False}),
+    "raf_2": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": 2}),
+    "mixed_precision": _parity(2, 4, Shard(0), check_ref=False, shard_kw={
+        "mp_policy": _UP.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32)}),
+    "cpu_offload": _parity(2, 4, Shard(0), shard_kw={"offload_policy": _UP.CPUOffloadPolicy(pin_memory=False)}),
+    "explicit_prefetch": _parity(2, 4, Shard(0), setup=_explicit_prefetch),
+    "division_off": _parity(2, 4, Shard(0), division="off"),
+    "unused_params": _parity(2, 4, Shard(0), setup=_unused_params),
+    "accumulation": _parity(2, 4, Shard(0), micro_batches=2),
+    "activation_checkpointing": _parity(2, 2, Shard(1), setup=_checkpointed),
+    "clip_grad_norm": _parity(2, 4, Shard(0), setup=_clipped),
+    "flat_step": _parity(2, 2, Shard(1), setup=_flat_step),
+    "dcp_round_trip": _dcp_round_trip,
 }
 CASES_2 = {
     "ep2_shard0": _parity(2, 2, Shard(0), division="off"),
@@ -232,6 +329,12 @@ def test_parity_w4(name, launch_cases):
 def test_parity_w2(name, launch_cases):
     """W=2: MoE training equals the reference (and upstream, to the bit)."""
     check_case(launch_cases(2, CASES_2), name)
+
+
+@pytest.mark.parametrize("name", list(COMPOSE_4))
+def test_composes_w4(name, launch_cases):
+    """W=4, ep=2: reshard_after_forward, mixed precision, offload, prefetch, accumulation, ..."""
+    check_case(launch_cases(4, COMPOSE_4), name)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
