@@ -221,9 +221,11 @@ def main() -> None:
     if os.environ.get("FSDP2_IMPL", "fsdp2") == "torch":
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-        clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
     else:
-        from fsdp2 import ShardPlacementResult, clip_grad_norm_, fully_shard
+        from fsdp2 import ShardPlacementResult, fully_shard
+    # torch's clip_grad_norm_ cannot stack norms of DTensors on different meshes; fsdp2's
+    # takes one norm over all of them (upstream's parameters too)
+    from fsdp2 import clip_grad_norm_
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,  # torch's, as torchtitan
     )
@@ -236,6 +238,8 @@ def main() -> None:
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)  # summed; the loss is over global tokens
+            if not use_cuda:
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     if rank == 0:
         for name, p in model.named_parameters():
             if "layers.0" in name:
