@@ -225,10 +225,11 @@ def main() -> None:
         from fsdp2 import ShardPlacementResult, fully_shard
     # torch's clip_grad_norm_ cannot stack norms of DTensors on different meshes; fsdp2's
     # takes one norm over all of them (upstream's parameters too)
-    from fsdp2 import clip_grad_norm_
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,  # torch's, as torchtitan
     )
+
+    from fsdp2 import clip_grad_norm_
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dp, sparse = moe_meshes(device_type, args.ep)
