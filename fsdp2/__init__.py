@@ -4,7 +4,13 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardPlacementResult,
+)
 from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
 from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
@@ -33,6 +39,8 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    # torch's (private there, from 2.12); fsdp2's own dataclass on an older torch
+    "ShardPlacementResult",
     # fsdp2's own tools
     "CheckpointDamagedError",
     "CheckpointError",

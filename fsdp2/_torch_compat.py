@@ -442,3 +442,17 @@ def profiler_enabled() -> bool:
     cheaper than entering ``record_function`` on every hook.
     """
     return torch.autograd._profiler_enabled()
+
+
+def upstream_shard_placement_result() -> type | None:
+    """torch's ``ShardPlacementResult``, or ``None`` on a torch without it.
+
+    Wraps ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``
+    (torch 2.12 - 2.15; checked on 2.13 and 2.15): fsdp2 re-exports the same
+    class object so ``isinstance`` holds whichever import a script uses.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        return None
+    return ShardPlacementResult

@@ -9,7 +9,9 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
+from ._torch_compat import upstream_shard_placement_result
 from .versions import upstream_has
 
 DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has
@@ -176,6 +178,31 @@ class DataParallelMeshDims:
         return _names(self.replicate)
 
 
+@dataclass
+class _ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to put a parameter on a mesh of its own.
+
+    torch's ``ShardPlacementResult`` where torch has it (2.12 and later; the
+    same class object), this dataclass with the same fields otherwise. See
+    [Note: Per-parameter meshes] in ``runtime/param_meshes.py``.
+
+    Attributes:
+        placement: the tensor dim to shard on, ``Shard(dim)``; ``None`` means ``Shard(0)``.
+        mesh_info: the mesh to shard over, as torch's ``FSDPMeshInfo`` /
+            ``HSDPMeshInfo`` (e.g. ``FSDPMeshInfo(mesh=sparse["efsdp"], shard_mesh_dim=0)``
+            or ``_get_mesh_info(mesh, dp_mesh_dims)``). Parameters on the same
+            process groups must share one mesh-info object.
+    """
+
+    placement: Shard | None
+    mesh_info: object
+
+
+ShardPlacementResult: type = upstream_shard_placement_result() or _ShardPlacementResult
+if ShardPlacementResult is _ShardPlacementResult:
+    _ShardPlacementResult.__name__ = _ShardPlacementResult.__qualname__ = "ShardPlacementResult"
+
+
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -186,7 +213,7 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _from_upstream(policy: object) -> object:
     """torch.distributed.fsdp's policy objects as ours, so a partly switched script works."""
-    if _is_upstream(policy, "MixedPrecisionPolicy"):
+    if is_upstream_instance(policy, "MixedPrecisionPolicy"):
         return MixedPrecisionPolicy(
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,
@@ -194,16 +221,16 @@ def _from_upstream(policy: object) -> object:
             cast_forward_inputs=policy.cast_forward_inputs,
             param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
         )
-    if _is_upstream(policy, "CPUOffloadPolicy"):
+    if is_upstream_instance(policy, "CPUOffloadPolicy"):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    if _is_upstream(policy, "OffloadPolicy"):
+    if is_upstream_instance(policy, "OffloadPolicy"):
         return OffloadPolicy()
-    if _is_upstream(policy, "DataParallelMeshDims"):  # torch 2.12 and later
+    if is_upstream_instance(policy, "DataParallelMeshDims"):  # torch 2.12 and later
         return DataParallelMeshDims(shard=policy.shard, replicate=policy.replicate)
     return policy
 
 
-def _is_upstream(obj: object, name: str) -> bool:
+def is_upstream_instance(obj: object, name: str) -> bool:
     """Whether ``obj`` is an instance of torch.distributed.fsdp's class ``name``.
 
     Decided by the classes' defining modules, not by looking the name up in

@@ -40,6 +40,7 @@ from .runtime.mesh import (
 from .runtime.mixed_precision import keeps_own_dtype
 from .runtime.param import FSDPParam
 from .runtime.param_group import FSDPParamGroup
+from .runtime.param_meshes import MeshGroup, group_by_mesh
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -48,7 +49,8 @@ _fsdp_classes: dict[type, type] = {}
 # The argument types of fully_shard (see its docstring).
 MeshArg = DeviceMesh | None
 ReshardArg = bool | int | None
-PlacementFnArg = Callable[[nn.Parameter], Shard | None] | None
+# a Shard, a ShardPlacementResult (placement and mesh info) or None (Shard(0))
+PlacementFnArg = Callable[[nn.Parameter], Any] | None
 IgnoredArg = set[nn.Parameter] | None
 DpMeshDimsArg = DataParallelMeshDims | None
 
@@ -120,9 +122,13 @@ def fully_shard(
             others; an int ``k`` (a divisor of the shard dim's size) keeps
             them sharded over groups of ``k`` consecutive ranks after forward
             so the backward all-gather is over ``k`` ranks only.
-        shard_placement_fn: optional ``param -> Shard | None``: shard that
-            parameter on another dim (``None`` means ``Shard(0)``); dims other
-            than 0 must divide evenly by the shard dim's size.
+        shard_placement_fn: optional ``param -> Shard | ShardPlacementResult | None``:
+            shard that parameter on another dim (``None`` means ``Shard(0)``);
+            dims other than 0 must divide evenly by the shard dim's size. A
+            ``ShardPlacementResult(placement, mesh_info)`` also names the mesh
+            (torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``) to shard it over: the
+            call then makes one group per mesh (see [Note: Per-parameter
+            meshes] in runtime/param_meshes.py). Called once per parameter.
         mp_policy: mixed precision: the dtype of the all-gather and compute
             (``param_dtype``), of the gradient reduction (``reduce_dtype``),
             of the forward outputs (``output_dtype``), and whether floating
@@ -160,52 +166,25 @@ def fully_shard(
             )
     else:
         mesh_info = mesh_info_for(mesh)
-    reshard_after_forward, post_forward = _resolve_reshard_after_forward(
-        reshard_after_forward, mesh_info, spmd
-    )
+    raf_value = reshard_after_forward
+    reshard_after_forward, _ = _resolve_reshard_after_forward(raf_value, mesh_info, spmd)
     device = device_for(mesh)
     ignored = set(ignored_params or ())
     params, owners, names = _managed_params(modules, ignored)
-    shard_dims = {
-        p: _shard_dim(p, names[p], mesh_info, device, shard_placement_fn, spmd is not None)
-        for p in params
-    }
-    layouts: dict[nn.Parameter, SpmdLayout] = {}
-    if spmd is not None:
-        layouts = {
-            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p]) for p in params
-        }
-        spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
-    else:
-        spmd_meshes = _spmd_meshes(params, mesh)
+    # See [Note: Per-parameter meshes] in runtime/param_meshes.py
+    mesh_groups = group_by_mesh(params, names, shard_placement_fn, mesh_info, spmd)
     _move_buffers(modules, ignored, device)
     comm_ctx = CommContext()  # this call's, until a root's lazy init shares the root's
-    group = None
-    if params:
-        fsdp_params = [
-            FSDPParam(
-                p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
-                **_layout_kwargs(layouts.get(p)),
-            )
-            for p in params
-        ]
-        for fsdp_param, p in zip(fsdp_params, params):
-            fsdp_param.keeps_dtype = keeps_own_dtype(mp_policy, p, names[p])
-        group = FSDPParamGroup(
-            fsdp_params,
-            params,
-            modules,
-            mesh_info,
-            device,
-            comm_ctx,
-            reshard_after_forward=reshard_after_forward is not False,
-            post_forward_mesh_info=post_forward,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
+    groups = [
+        _make_group(
+            g, owners, names, modules, device, comm_ctx, raf_value, spmd,
+            mp_policy=mp_policy, offload_policy=offload_policy,
         )
+        for g in mesh_groups
+    ]
     FSDPState(
         modules,
-        group,
+        groups,
         comm_ctx,
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
@@ -220,6 +199,60 @@ def fully_shard(
         m.__class__ = fsdp_cls
         mark_composable_api(m)  # e.g. torch's replicate() then leaves these parameters to us
     return module
+
+
+def _make_group(
+    mesh_group: MeshGroup,
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+    names: dict[nn.Parameter, str],
+    modules: tuple[nn.Module, ...],
+    device: torch.device,
+    comm_ctx: CommContext,
+    reshard_after_forward: Any,
+    call_spmd: SpmdDims | None,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> FSDPParamGroup:
+    """One parameter group: the parameters of ``mesh_group``, sharded over its mesh."""
+    params, mesh_info, spmd = mesh_group.params, mesh_group.mesh_info, mesh_group.spmd
+    # the call's SPMD rules apply to its own mesh only, as upstream
+    raf, post_forward = _resolve_reshard_after_forward(
+        reshard_after_forward, mesh_info, call_spmd if mesh_group.is_default else None
+    )
+    shard_dims = {
+        p: _shard_dim(p, names[p], mesh_info, device, mesh_group.placements[p], spmd is not None)
+        for p in params
+    }
+    layouts: dict[nn.Parameter, SpmdLayout] = {}
+    if spmd is not None:
+        layouts = {
+            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p]) for p in params
+        }
+        spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
+    else:
+        spmd_meshes = _spmd_meshes(params, mesh_info.mesh)
+    fsdp_params = [
+        FSDPParam(
+            p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
+            **_layout_kwargs(layouts.get(p)),
+        )
+        for p in params
+    ]
+    for fsdp_param, p in zip(fsdp_params, params):
+        fsdp_param.keeps_dtype = keeps_own_dtype(mp_policy, p, names[p])
+    return FSDPParamGroup(
+        fsdp_params,
+        params,
+        modules,
+        mesh_info,
+        device,
+        comm_ctx,
+        reshard_after_forward=raf is not False,
+        post_forward_mesh_info=post_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
 
 
 def _no_deepcopy(self: nn.Module, memo: dict) -> Any:
@@ -322,8 +355,8 @@ def _managed_params(
             continue  # torch's replicate() owns this subtree's parameters, as upstream
         inner = state_of(m)
         if inner is not None and m not in roots:
-            if inner.param_group is not None:
-                for p in inner.param_group.fsdp_params:
+            for group in inner.param_groups:
+                for p in group.fsdp_params:
                     p.adopt_registered()  # it may have been replaced (load_state_dict(assign=True))
                     already_managed.add(p.sharded_param)
             continue
@@ -347,22 +380,13 @@ def _shard_dim(
     name: str,
     mesh_info: FSDPMeshInfo,
     device: torch.device,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    placement: Shard | None,
     on_spmd_mesh: bool = False,
 ) -> int:
-    """Validate ``param`` and return the tensor dim FSDP shards it on."""
+    """Validate ``param`` and return the tensor dim FSDP shards it on (``placement``: its result)."""
     _validate_param(param, name, device, on_spmd_mesh)
-    if shard_placement_fn is None:
-        return 0
-    placement = shard_placement_fn(param)
     if placement is None:
         return 0
-    if type(placement) is not Shard:
-        raise ValueError(
-            f"Invalid shard_placement_fn result: {placement}\n"
-            f"shard_placement_fn returned {placement!r} for '{name}'; it must return a "
-            "Shard(dim) or None"
-        )
     local = param.to_local() if isinstance(param, DTensor) else param
     ndim = local.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim

@@ -27,13 +27,13 @@ class UnshardHandle:
 
 
 class _GroupUnshardHandle(UnshardHandle):
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None  # do not keep the group alive
+        for group in self._groups:  # in group order, as upstream
+            group.wait_for_unshard()
+        self._groups = []  # do not keep the groups alive
 
 
 class GradientReductionHandle:
@@ -59,9 +59,9 @@ class _RootReductionHandle(GradientReductionHandle):
             state.wait_for_reduction(token)
 
 
-def group_unshard_handle(group: FSDPParamGroup | None) -> UnshardHandle:
-    """The handle on ``group``'s in-flight all-gather (``None``: nothing to wait for)."""
-    return _GroupUnshardHandle(group)
+def group_unshard_handle(groups: list[FSDPParamGroup]) -> UnshardHandle:
+    """The handle on the in-flight all-gathers of ``groups`` (empty: nothing to wait for)."""
+    return _GroupUnshardHandle(list(groups))
 
 
 def reduction_handle(state: FSDPState | None, token: object | None) -> GradientReductionHandle:

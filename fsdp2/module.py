@@ -24,6 +24,7 @@ from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handl
 from .runtime.comm_memory import use_process_group_memory, use_symm_mem
 from .runtime.hooks import FSDPState, state_of
 from .runtime.param_group import FSDPParamGroup
+from .runtime.param_meshes import check_one_group
 from .runtime.staged_collectives import AllGather, ReduceScatter, check_comm
 
 __all__ = ["FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -59,14 +60,13 @@ class FSDPModule:
         return list(states)
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        return [s.param_group for s in self._states(recurse) if s.param_group is not None]
+        return [g for s in self._states(recurse) for g in s.param_groups]
 
     # ---- unshard / reshard ------------------------------------------------------
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (not recursive)."""
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -80,14 +80,13 @@ class FSDPModule:
         """
         _check_bool(async_op, "unshard", "async_op")
         state = self._fsdp_state()
-        group = state.param_group
-        if group is not None:
+        for group in state.param_groups:
             if state.is_root is None:  # before the first forward's lazy init
                 group.adopt_params(force=True)  # also decides all-gather extensions
                 group.check_materialized()
                 group.check_dtypes()
             group.unshard(async_op=async_op)
-        handle = group_unshard_handle(group)
+        handle = group_unshard_handle(state.param_groups)
         if async_op:
             return handle
         handle.wait()
@@ -187,7 +186,7 @@ class FSDPModule:
         just before it in forward); ``[]`` restores the default.
         """
         self._fsdp_state().backward_prefetch = _prefetch_groups(
-            modules, "set_modules_to_backward_prefetch"
+            modules, "set_modules_to_backward_prefetch", last_group_first=True
         )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -210,8 +209,8 @@ class FSDPModule:
                 )
         for state in self._states(recurse):
             state.auto_reshard_after_forward = False
-            if state.param_group is not None:
-                state.param_group.set_reshard_after_forward(reshard_after_forward)
+            for group in state.param_groups:
+                group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -234,8 +233,7 @@ class FSDPModule:
         (e.g. an embedding): their gradients are still reduced.
         """
         _check_bool(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.set_unshard_in_backward(unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -304,8 +302,7 @@ class FSDPModule:
             raise ValueError(
                 f"set_gradient_divide_factor expects a positive finite number, got {factor!r}"
             )
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.reduction.set_gradient_divide_factor(float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -323,8 +320,7 @@ class FSDPModule:
         See [Note: Gradient divide factors] in ``reduce_op.py``.
         """
         _check_bool(enable, "set_force_sum_reduction_for_comms", "enable")
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.reduction.set_force_sum_reduction(enable)
 
     def set_all_reduce_hook(
@@ -351,8 +347,8 @@ class FSDPModule:
                 f"set_all_reduce_hook expects stream to be a stream or None, got "
                 f"{type(stream).__name__}"
             )
-        group = self._fsdp_state().param_group
-        if group is not None:
+        check_one_group(self._fsdp_state().param_groups, "set_all_reduce_hook", "hook")
+        for group in self._groups(recurse=False):
             if stream is not None and group.mesh_info.is_hsdp:
                 # upstream's text exactly (its tests compare str(error)); ours in a note
                 error = ValueError("stream cannot be set when using native HSDP")
@@ -436,8 +432,7 @@ class FSDPModule:
         See [Note: Communication memory] in comm_memory.py.
         """
         _check_bool(enable, "set_allocate_memory_from_process_group_for_comm", "enable")
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             use_process_group_memory(group, enable)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
@@ -451,8 +446,7 @@ class FSDPModule:
         nothing. Cannot be combined with custom comms.
         See [Note: Communication memory] in comm_memory.py.
         """
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             use_symm_mem(group, backend)
 
     # ---- nn.Module integration ------------------------------------------------------
@@ -464,9 +458,9 @@ class FSDPModule:
         (this rank's input is its block ``rank``); ``comm(output_tensor=,
         input_tensor=, group=, async_op=)`` runs the collective.
         """
+        check_one_group(self._fsdp_state().param_groups, "set_custom_all_gather", "custom comm")
         check_comm(comm, "set_custom_all_gather")
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.set_all_gather_comm(comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
@@ -476,9 +470,11 @@ class FSDPModule:
         output buffers; ``comm(output_tensor=, input_tensor=, group=, op=)``
         runs the collective.
         """
+        check_one_group(
+            self._fsdp_state().param_groups, "set_custom_reduce_scatter", "custom comm"
+        )
         check_comm(comm, "set_custom_reduce_scatter")
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.reduction.set_reduce_scatter_comm(comm)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -487,8 +483,7 @@ class FSDPModule:
         # [Note: Materialization in any order] in flat_shard.py).
         self.reshard()
         result = super()._apply(*args, **kwargs)
-        group = self._fsdp_state().param_group
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.mark_params_replaced()
         return result
 
@@ -577,8 +572,13 @@ def _check_bool(value: Any, method: str, name: str) -> None:
         raise ValueError(f"{method}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def _prefetch_groups(modules: Iterable[Any], method: str) -> tuple[FSDPParamGroup, ...]:
-    """The parameter groups of a prefetch list, after checking it names FSDP modules only."""
+def _prefetch_groups(
+    modules: Iterable[Any], method: str, last_group_first: bool = False
+) -> tuple[FSDPParamGroup, ...]:
+    """The parameter groups of a prefetch list, after checking it names FSDP modules only.
+
+    Every group of each module, in group order (backward: the last group first, as upstream).
+    """
     if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):
         raise ValueError(
             f"{method} expects a list of FSDP modules, got a single {type(modules).__name__}; "
@@ -598,7 +598,6 @@ def _prefetch_groups(modules: Iterable[Any], method: str) -> tuple[FSDPParamGrou
                 f"{method}: item {i} ({type(module).__name__}) is not an FSDP module; "
                 "call fully_shard on it first, or leave it out of the list"
             )
-        group = module._fsdp_state().param_group
-        if group is not None:
-            groups.append(group)
+        own = module._fsdp_state().param_groups
+        groups.extend(reversed(own) if last_group_first else own)
     return tuple(groups)

@@ -69,6 +69,7 @@ ACCUMULATE_PROFILER_RANGE: bool = TORCH_RELEASE < (2, 15)
 #: Public FSDP2 API fsdp2 offers on every torch, by the release whose upstream added it.
 ADDED_IN: dict[str, tuple[int, int]] = {
     "DataParallelMeshDims": (2, 12),
+    "ShardPlacementResult": (2, 12),
     "fully_shard.dp_mesh_dims": (2, 12),
     "FSDPModule.set_symm_mem_for_comm": (2, 12),
     "FSDPModule.reset_iter_state": (2, 13),

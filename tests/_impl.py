@@ -32,6 +32,10 @@ if IMPL == "torch":
     DataParallelMeshDims = getattr(_upstream, "DataParallelMeshDims", None)
     share_comm_ctx = getattr(_upstream, "share_comm_ctx", None)
     GradientReductionHandle = getattr(_upstream, "GradientReductionHandle", None)  # 2.15
+    try:  # 2.12 and later, private in torch
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        ShardPlacementResult = None
 else:
     from fsdp2 import (  # type: ignore[no-redef]
         CPUOffloadPolicy,
@@ -40,6 +44,7 @@ else:
         GradientReductionHandle,
         MixedPrecisionPolicy,
         OffloadPolicy,
+        ShardPlacementResult,
         UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
@@ -75,6 +80,7 @@ __all__ = [
     "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardPlacementResult",
     "UnshardHandle",
     "fully_shard",
     "fsdp2_only",

@@ -26,6 +26,7 @@ _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 if _EXAMPLES not in sys.path:
     sys.path.insert(0, _EXAMPLES)
 import model as _demo  # noqa: E402
+import moe as _moe  # noqa: E402  (examples/moe.py: the mixture-of-experts model)
 
 ModelArgs, Transformer = _demo.ModelArgs, _demo.Transformer
 # its module classes, by the names the guide pages and the tests' wrap policies use
@@ -207,6 +208,32 @@ def transformer_loss(model: nn.Module, batch) -> torch.Tensor:
     tokens, targets = batch
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------- mixture of experts
+# examples/moe.py's model at a toy size: vocab 13, dim 8, expert hidden 12,
+# top-1 routing, experts split over an expert-parallel mesh by all-to-all.
+
+build_moe, moe_meshes, expert_parallel, shard_moe = (
+    _moe.build_moe, _moe.moe_meshes, _moe.expert_parallel, _moe.shard_moe
+)
+
+
+def toy_moe(seed: int = 0, num_experts: int = 4, n_layers: int = 2) -> nn.Module:
+    return _moe.build_moe(seed, vocab=13, dim=8, hidden=12, num_experts=num_experts,
+                          n_layers=n_layers)
+
+
+def moe_batch(step: int, batch: int, vocab: int = 13, seed: int = 77):
+    """A deterministic (tokens, targets) batch of ``batch`` single tokens."""
+    g = torch.Generator().manual_seed(seed + step)
+    tokens = torch.randint(0, vocab, (batch,), generator=g)
+    return tokens, (tokens * 5 + 2) % vocab
+
+
+def moe_loss(model: nn.Module, batch) -> torch.Tensor:
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens), targets)
 
 
 # ---------------------------------------------------------------- helpers

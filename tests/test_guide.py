@@ -37,6 +37,7 @@ PAGES = {
     "debugging.md": 2,
     "clients.md": 2,
     "composing.md": 2,
+    "moe.md": 4,
 }
 # pages with their own test file
 # the planner runs its own fake process group: its page runs in a fresh process

@@ -12,8 +12,21 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from checks import check_case, train_steps
-from models import build_chain, chain_batch, make_pair, mlp_loss, rank_slice, shard_chain
+from checks import check_case, train_alone, train_steps
+from models import (
+    build_chain,
+    chain_batch,
+    expert_parallel,
+    make_pair,
+    mlp_loss,
+    moe_batch,
+    moe_loss,
+    moe_meshes,
+    rank_slice,
+    shard_chain,
+    shard_moe,
+    toy_moe,
+)
 from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
@@ -229,8 +242,33 @@ def _hook_stream_on_cpu(rank, world_size):
     assert device_module.current_stream() is not stream  # restored after the hook
 
 
+def _two_meshes_one_call(rank, world_size):
+    """MoE blocks: a group on dp and one on efsdp per fully_shard call; no race, same results."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    from fsdp2 import ShardPlacementResult
+
+    dp, sparse = moe_meshes("cpu", 2)
+    batches = [moe_batch(step, 4 * world_size) for step in range(3)]
+
+    def run():
+        model = toy_moe()
+        expert_parallel(model, sparse["ep"])
+        shard_moe(model, fully_shard, ShardPlacementResult, FSDPMeshInfo, dp, sparse)
+        losses = train_alone(model, batches, moe_loss, rank, world_size)
+        return losses, {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+
+    want_losses, want_params = run()
+    checker = StreamChecker()
+    with checker:
+        losses, params = run()
+    assert checker.errors == [], "\n".join(checker.errors[:5])
+    assert losses == want_losses
+    torch.testing.assert_close(params, want_params, rtol=0, atol=0)
+
+
 MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
-             "hook_stream_cpu": _hook_stream_on_cpu}
+             "hook_stream_cpu": _hook_stream_on_cpu, "two_meshes_one_call": _two_meshes_one_call}
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX_W4))

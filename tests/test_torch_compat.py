@@ -47,6 +47,8 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch._functorch.eager_transforms", "enable_inplace_requires_grad"),
 ]
+if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12):
+    PRIVATE_SYMBOLS.append(("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"))
 
 
 @pytest.mark.parametrize(("module", "path"), PRIVATE_SYMBOLS, ids=[p for _, p in PRIVATE_SYMBOLS])

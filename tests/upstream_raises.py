@@ -11,10 +11,8 @@ fsdp2's counterpart. ``test_every_upstream_raise_is_accounted_for`` checks this
 list against upstream's source. Reasons:
 
 - ``internal``: an invariant of upstream's own bookkeeping; no input reaches it.
-- ``private``: reachable only through ``ShardPlacementResult`` (per-parameter
-  meshes from ``shard_placement_fn``), a private class of
-  ``torch.distributed.fsdp._fully_shard._fsdp_common``; fsdp2 rejects such a
-  result as an invalid ``shard_placement_fn`` result.
+- ``private``: reachable only through a private torch API (a field of a
+  torch-private class, experimental annotations); fsdp2's counterpart is named.
 - ``accelerator``: needs two device types, NCCL or a non-CPU device; the CPU
   test machines have neither. fsdp2 raises the same class with upstream's
   message first where it has the check.
@@ -41,6 +39,7 @@ class Raise(NamedTuple):
 
 _S = "same class, upstream's message first"
 _SV = "same class (also a ValueError), upstream's message first"
+_MOE = "tested: tests/test_moe.py (per-parameter meshes, ShardPlacementResult)"
 _P8 = "API added by issue 14 point 8; the row skips for fsdp2 until it lands"
 
 UPSTREAM_RAISES: list[Raise] = [
@@ -78,15 +77,14 @@ UPSTREAM_RAISES: list[Raise] = [
           "accelerator: a DTensor parameter on another accelerator index", _SV),
     Raise("_fsdp_init.py", "_init_param_group", "ValueError",
           "mesh_dims_replicate_only_with_placement_fn", _P8),
-    Raise("_fsdp_init.py", "_init_param_group", "ValueError", "private: two ShardPlacementResult "
-          "mesh infos over one process group", "ValueError: invalid shard_placement_fn result"),
+    Raise("_fsdp_init.py", "_init_param_group", "ValueError", _MOE, _S),
     Raise("_fsdp_param.py", "FSDPParam._init_sharded_param", "AssertionError",
           "internal: parameters were moved to the mesh's device just before", "-"),
     Raise("_fsdp_param.py", "FSDPParam._init_sharded_param", "NotImplementedError",
           "non_contiguous_parameter", _SV),
     Raise("_fsdp_param.py", "FSDPParam._init_sharded_param", "AssertionError",
-          "private: a ShardPlacementResult whose placement is not a Shard",
-          "ValueError: invalid shard_placement_fn result"),
+          "private: a ShardPlacementResult whose placement is not a Shard (a torch-private class's "
+          "field)", "AssertionError (FSDPAssertionError), upstream's message"),
     Raise("_fsdp_param.py", "FSDPParam._init_sharded_param", "AssertionError",
           "dtensor_with_non_contiguous_local", _SV),
     Raise("_fsdp_param.py", "FSDPParam._init_sharded_param", "AssertionError",
@@ -200,7 +198,7 @@ UPSTREAM_RAISES: list[Raise] = [
     Raise("_fsdp_param_group.py", "_get_param_module_infos", "AssertionError",
           "internal: parameters are collected from the same module tree", "-"),
     Raise("_fsdp_state.py", "FSDPState._fsdp_param_group", "AssertionError",
-          "private: several groups per call come from ShardPlacementResult", "-"),
+          "internal: upstream's private accessor of a state's one group", "-"),
     Raise("_fsdp_state.py", "FSDPState._lazy_init", "RuntimeError",
           "group_of_several_modules_as_root", _S),
     Raise("_fsdp_state.py", "FSDPState._lazy_init", "RuntimeError",
@@ -220,12 +218,9 @@ UPSTREAM_RAISES: list[Raise] = [
           "set_reshard_after_forward_int", _S),
     Raise("_fully_shard.py", "FSDPModule.set_reshard_after_forward", "AssertionError",
           "mesh_dims_replicate_only_set_reshard", _P8),
-    Raise("_fully_shard.py", "FSDPModule.set_custom_all_gather", "ValueError",
-          "private: several groups per call come from ShardPlacementResult", "-"),
-    Raise("_fully_shard.py", "FSDPModule.set_custom_reduce_scatter", "ValueError",
-          "private: as above", "-"),
-    Raise("_fully_shard.py", "FSDPModule.set_all_reduce_hook", "ValueError",
-          "private: as above", "-"),
+    Raise("_fully_shard.py", "FSDPModule.set_custom_all_gather", "ValueError", _MOE, _S),
+    Raise("_fully_shard.py", "FSDPModule.set_custom_reduce_scatter", "ValueError", _MOE, _S),
+    Raise("_fully_shard.py", "FSDPModule.set_all_reduce_hook", "ValueError", _MOE, _S),
     Raise("_fully_shard.py", "FSDPModule.set_all_reduce_hook", "ValueError",
           "all_reduce_hook_stream_on_hsdp", _S),
     Raise("_fully_shard.py", "FSDPModule.set_reduce_scatter_max_input_buffers", "TypeError",

@@ -182,12 +182,13 @@ def _write_back(p: FSDPParam, current: torch.Tensor | None) -> str | None:
 def _groups_of(module: nn.Module, recurse: bool) -> list[FSDPParamGroup]:
     if not recurse:
         state = state_of(module)
-        return [state.param_group] if state is not None and state.param_group else []
+        return list(state.param_groups) if state is not None else []
     groups: dict[FSDPParamGroup, None] = {}
     for sub in module.modules():
         state = state_of(sub)
-        if state is not None and state.param_group is not None:
-            groups.setdefault(state.param_group)
+        if state is not None:
+            for group in state.param_groups:
+                groups.setdefault(group)
     return list(groups)
 
 

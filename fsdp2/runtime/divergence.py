@@ -6,7 +6,7 @@ rank-dependent branch in ``__init__``) makes the ranks issue collectives of
 different sizes, or in a different order: gloo aborts one rank and resets the
 others' connections, NCCL hangs or silently mixes buffers. So before the root's
 first collective each rank summarizes what it is about to shard, per group in
-lazy-init order: the group's modules, mesh (shape, dim names, ranks),
+lazy-init order: the group's modules, mesh (shape, dim names, rank offsets),
 ``reshard_after_forward``, mixed-precision and offload policies, and per
 parameter its FQN, global shape, dtype, ``requires_grad`` and placements, and
 hashes the summary.
@@ -89,11 +89,13 @@ def group_fingerprint(group: FSDPParamGroup, meshes: dict[int, str]) -> dict[str
     key = id(mesh)
     if key not in meshes:  # formatted once per mesh: 1024 ranks are a long string
         names = tuple(mesh.mesh_dim_names or ())
-        ranks = mesh.mesh.flatten().tolist()
-        spans = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+        # Ranks relative to the mesh's first: one check may span ranks whose meshes are
+        # different copies of one layout (experts' efsdp [0, 2] and [1, 3]), which agree.
+        offsets = [r - mesh.mesh.flatten()[0].item() for r in mesh.mesh.flatten().tolist()]
+        spans = offsets == list(range(len(offsets)))
         meshes[key] = (
             f"shape {tuple(mesh.mesh.shape)}" + (f" dims {names}" if names else "")
-            + (f" ranks {ranks[0]}..{ranks[-1]}" if spans else f" ranks {ranks}")
+            + (f" {len(offsets)} consecutive ranks" if spans else f" rank offsets {offsets}")
         )
     pf = group.post_forward_mesh_info
     mp = group.mp_policy

@@ -59,6 +59,16 @@ As upstream:
   post-backward, ``reshard()`` or the next forward's post-forward;
 - the end of backward forgets the modules still to run, so the next step
   starts a fresh use.
+
+[Note: Several groups in one state]
+A call whose parameters shard over several meshes has one group per mesh
+(see [Note: Per-parameter meshes] in param_meshes.py); the state runs them
+in upstream's order: pre-forward, post-forward and pre-backward go through
+groups 0..N-1, the post-backward node reduces N-1..0, the end-of-backward
+callback finishes each state's groups N-1..0, ``finalize_backward`` walks
+states and groups in reverse. Only the last group waits for room among the
+reductions in flight, and only group 1 prefetches by default (see [Note:
+Default backward prefetch] in backward_prefetch.py).
 """
 
 from __future__ import annotations
@@ -122,13 +132,16 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        param_group: FSDPParamGroup | None,
+        param_groups: list[FSDPParamGroup],
         comm_ctx: CommContext,
         auto_reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ) -> None:
         self.modules = modules
-        self.param_group = param_group
+        # See [Note: Several groups in one state]; empty when the call manages no parameter
+        self.param_groups = param_groups
+        for index, group in enumerate(param_groups):
+            group.index, group.count = index, len(param_groups)
         self.auto_reshard_after_forward = auto_reshard_after_forward
         # Mixed precision casts of this state's module inputs and outputs (None: no cast).
         self._input_dtype = input_cast_dtype(mp_policy)
@@ -155,8 +168,19 @@ class FSDPState:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
-        if param_group is not None:
-            _register_state_dict_hooks(param_group)
+        for group in param_groups:
+            _register_state_dict_hooks(group)
+
+    @property
+    def param_group(self) -> FSDPParamGroup | None:
+        """The state's only group (``None``: no parameters); several raise, as upstream."""
+        groups = self.param_groups
+        if len(groups) > 1:
+            raise AssertionError(
+                f"FSDP expects one param group per state, got {len(groups)} (per-param mesh); "
+                "use param_groups"
+            )
+        return groups[0] if groups else None
 
     # ---- lazy init ------------------------------------------------------------
 
@@ -200,16 +224,17 @@ class FSDPState:
             state.comm_ctx = self.comm_ctx
             ctx.all_states.append(state)
         self.is_root = True
-        if self.auto_reshard_after_forward and self.param_group is not None:
+        if self.auto_reshard_after_forward:
             # The root is needed first in backward; resharding it would only
             # cost an extra all-gather.
-            self.param_group.set_reshard_after_forward(False)
-        devices = {s.param_group.device for s in ctx.all_states if s.param_group is not None}
+            for group in self.param_groups:
+                group.set_reshard_after_forward(False)
+        groups = [g for s in ctx.all_states for g in s.param_groups]
+        devices = {g.device for g in groups}
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
             self._input_device = next(iter(devices))
         try:
             local_error = None
-            groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
             try:
                 check_shared_params(root_module, groups, module_fqns)
                 for state in ctx.all_states:
@@ -228,18 +253,16 @@ class FSDPState:
                      len(ctx.all_states))
 
     def _lazy_init_group(self, module_fqns: dict[nn.Module, str]) -> None:
-        """Name this state's group and its parameters by FQN under the root, then validate it."""
-        group = self.param_group
-        if group is None:
-            return
-        group.set_comm_ctx(self.comm_ctx)
-        group.set_fqns(module_fqns)
-        # Parameters may have been replaced in any way since fully_shard.
-        group.adopt_params(force=True)
-        group.check_materialized()
-        group.check_offloaded()
-        group.check_dtypes()
-        check_max_input_buffers(group)
+        """Name this state's groups and their parameters by FQN under the root, then validate them."""
+        for group in self.param_groups:
+            group.set_comm_ctx(self.comm_ctx)
+            group.set_fqns(module_fqns)
+            # Parameters may have been replaced in any way since fully_shard.
+            group.adopt_params(force=True)
+            group.check_materialized()
+            group.check_offloaded()
+            group.check_dtypes()
+            check_max_input_buffers(group)
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""
@@ -260,8 +283,8 @@ class FSDPState:
         initialized root keep theirs, as upstream.
         """
         self.comm_ctx = other.comm_ctx
-        if self.param_group is not None:
-            self.param_group.set_comm_ctx(other.comm_ctx)
+        for group in self.param_groups:
+            group.set_comm_ctx(other.comm_ctx)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         self.root_ctx.is_last_backward = is_last_backward
@@ -280,13 +303,13 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        group = self.param_group
+        groups = self.param_groups
         cast = None
         if self._input_dtype is not None:
             args, kwargs = cast = cast_args(args, kwargs, self._input_dtype)
         if in_backward():
             # Activation-checkpoint recompute: only make the parameters available.
-            if group is not None:
+            for group in groups:
                 group.unshard()
                 group.wait_for_unshard()
             return cast
@@ -312,19 +335,21 @@ class FSDPState:
         starts_use = not self._modules_to_run
         if len(self.modules) > 1 and starts_use:
             self._modules_to_run.update(self.modules)
-        use = None
-        if group is not None:
-            starts_use = group.step.training_state != TrainingState.FORWARD
+        uses = []
+        if groups:
+            starts_use = groups[0].step.training_state != TrainingState.FORWARD
+        for group in groups:  # See [Note: Several groups in one state]
             group.pre_forward()  # every module: the group may have been resharded since
-            use = group.record_module_run(module, starts_use)
+            uses.append((group, group.record_module_run(module, starts_use)))
         if not starts_use:
             return cast
         for target in self.forward_prefetch:
             target.prefetch(in_backward=False)
-        if group is not None and torch.is_grad_enabled():
-            hooked = register_post_backward(group, args, kwargs, use)
+        if groups and torch.is_grad_enabled():
+            hooked = register_post_backward(tuple(uses), args, kwargs)
             if hooked is None:
-                group.add_use_without_node(use)
+                for group, use in uses:
+                    group.add_use_without_node(use)
             return hooked or cast
         return cast
 
@@ -353,8 +378,8 @@ class FSDPState:
         return cast_floating(output, self._output_dtype)
 
     def _finish_forward(self, output: Any) -> Any:
-        if self.param_group is not None:
-            self.param_group.post_forward()
+        for group in self.param_groups:
+            group.post_forward()
         if torch.is_grad_enabled():
             # dataclasses too (see tensor_tree.py), which pytree does not look into
             for t in tensors_in(output):
@@ -373,9 +398,9 @@ class FSDPState:
             if ctx.manual_active is None:
                 ctx.manual_active = ctx.manual_finalization
             queue_backward_callback(ctx.root._end_backward)
-        group = self.param_group
         explicit = self.backward_prefetch
-        if group is not None and not group.pre_backward(default_prefetch=not explicit):
+        started = [group.pre_backward(default_prefetch=not explicit) for group in self.param_groups]
+        if started and not any(started):
             return None  # this use's backward already started
         for target in explicit:
             target.prefetch(in_backward=True)
@@ -393,8 +418,8 @@ class FSDPState:
         # the order of the reductions of groups autograd did not reach.
         for state in ctx.all_states:
             state._modules_to_run.clear()  # uses of a group's modules outside the root forward
-            if state.param_group is not None:
-                state.param_group.end_backward(defer_reduction=manual)
+            for group in reversed(state.param_groups):
+                group.end_backward(defer_reduction=manual)
         self.comm_ctx.after_backward()
         if ctx.is_last_backward and not manual:
             self._end_step()
@@ -403,8 +428,8 @@ class FSDPState:
     def _end_step(self) -> None:
         ctx = self.root_ctx
         for state in ctx.all_states:
-            if state.param_group is not None:
-                state.param_group.end_step()
+            for group in state.param_groups:
+                group.end_step()
         self.comm_ctx.after_backward()
         self.comm_ctx.post_forward_order.clear()
         ctx.manual_active = None
@@ -440,8 +465,8 @@ class FSDPState:
         self._check_can_finalize(require_manual)
         logger.debug("finalize_backward %s", type(self.modules[0]).__name__)
         for state in reversed(ctx.all_states):  # as autograd would reach them
-            if state.param_group is not None:
-                state.param_group.finalize_backward()
+            for group in reversed(state.param_groups):
+                group.finalize_backward()
         if wait:
             self._end_step()
             return None
@@ -478,8 +503,7 @@ class FSDPState:
                 "FSDP finalize_backward must be called after backward completes\n"
                 "It was called while a backward is running (e.g. from a hook)"
             )
-        groups = [s.param_group for s in ctx.all_states if s.param_group is not None]
-        for group in groups:
+        for group in (g for s in ctx.all_states for g in s.param_groups):
             name = group.module_fqn or "<root>"
             if group.reduction.holds_partial_reduction:
                 raise RuntimeError(
@@ -504,7 +528,7 @@ class FSDPState:
     def _check_root(self, method: str) -> None:
         if self.is_root is False:
             root = self.root_ctx.root.modules[0]
-            where = self.param_group.module_fqn if self.param_group is not None else ""
+            where = self.param_groups[0].module_fqn if self.param_groups else ""
             raise RuntimeError(
                 f"{method} must be called on the root FSDP module\n"
                 f"{method}() was called on '{where or type(self.modules[0]).__name__}', "
@@ -520,8 +544,8 @@ class FSDPState:
         ctx = self.root_ctx
         for state in ctx.all_states:
             state._modules_to_run.clear()
-            if state.param_group is not None:
-                state.param_group.reset_iter_state()
+            for group in state.param_groups:
+                group.reset_iter_state()
         self.comm_ctx.after_backward()  # reductions the failed step left in flight
         self.comm_ctx.post_forward_order.clear()
         ctx.callback_queued = False

@@ -50,6 +50,7 @@ from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..errors import FSDPNotImplementedError
 from ..versions import ACCUMULATE_PROFILER_RANGE
 from . import collectives, staged_collectives
+from .backward_prefetch import prefetch_previous
 from .comm_context import CommContext
 from .comm_memory import effective
 from .flat_shard import FlatShard, FlatShardLayout
@@ -96,6 +97,9 @@ class FSDPParamGroup:
         # This call's own until the root's lazy init hands the root's (set_comm_ctx)
         self.comm_ctx = comm_ctx
         self.step = StepState()
+        # This group's place among its state's groups (upstream's _param_group_index and
+        # _num_param_groups); see [Note: Per-parameter meshes] in param_meshes.py
+        self.index, self.count = 0, 1
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
             raise FSDPNotImplementedError(
@@ -461,8 +465,8 @@ class FSDPParamGroup:
                 self.unshard(on_comm_streams=True)
                 self.wait_for_unshard()
         self.reduction.set_grad_dtypes(defer=True)
-        if default_prefetch:
-            self._prefetch_previous()
+        if default_prefetch:  # See [Note: Default backward prefetch] in backward_prefetch.py
+            prefetch_previous(self)
         return True
 
     def prefetch(self, in_backward: bool) -> None:
@@ -472,19 +476,6 @@ class FSDPParamGroup:
         name = "FSDP::backward_prefetch" if in_backward else "FSDP::forward_prefetch"
         with record_function(name, self.module_fqn):
             self.unshard(async_op=True, on_comm_streams=True)
-
-    def _prefetch_previous(self) -> None:
-        # Backward runs groups in reverse forward order: start the all-gather
-        # of the group that ran just before this use so it overlaps compute.
-        indices = self.step.post_forward_indices
-        if not indices:
-            return
-        index = indices.pop()
-        if index == 0:
-            return
-        target = self.comm_ctx.post_forward_order[index - 1]
-        if target is not self:
-            target.prefetch(in_backward=True)
 
     def record_module_run(self, module: nn.Module, starts_use: bool) -> set[nn.Module] | None:
         """Note that ``module`` runs in this use; returns the use's modules (groups of several)."""
@@ -529,8 +520,10 @@ class FSDPParamGroup:
                     self.reshard()
         if not reduce_grads:
             return
-        # Bounds the gradients held by reductions in flight (every group, as upstream)
-        self.comm_ctx.make_room_for_reduction(fqn)
+        # Bounds the gradients held by reductions in flight; in a state of several groups
+        # only the first to reduce (the last index) waits, as upstream
+        if self.index == self.count - 1:
+            self.comm_ctx.make_room_for_reduction(fqn)
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:

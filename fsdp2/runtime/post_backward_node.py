@@ -1,9 +1,10 @@
-"""The post-backward node: an identity on a group's forward inputs whose backward reduces.
+"""The post-backward node: an identity on a state's forward inputs whose backward reduces.
 
-Autograd reaches it once the gradients of every input of one use of the group
-are computed, which is when the group's parameters got theirs; its backward is
-``FSDPParamGroup.post_backward`` for that use (see [Note: One training step]
-in hooks.py).
+Autograd reaches it once the gradients of every input of one use of the
+state's groups are computed, which is when their parameters got theirs; its
+backward is ``FSDPParamGroup.post_backward`` for that use of each group, the
+last group first (see [Note: One training step] in hooks.py; upstream chains
+one node per group, which autograd reaches in that order).
 """
 
 from __future__ import annotations
@@ -16,21 +17,24 @@ import torch.nn as nn
 from .._torch_compat import functorch_active, tree_flatten, tree_unflatten
 from .param_group import FSDPParamGroup
 
+# each group of a state with the modules run in one use (None: a group of one module)
+GroupUses = tuple[tuple[FSDPParamGroup, "set[nn.Module] | None"], ...]
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on the group's forward inputs; its backward is the post-backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
+        ctx: Any, uses: GroupUses, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.use = group, use
+        ctx.uses = uses
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
+        _post_backward(ctx.uses)
+        return (None, *grads)
 
 
 class _PostBackwardInTransform(torch.autograd.Function):
@@ -45,36 +49,41 @@ class _PostBackwardInTransform(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        group: FSDPParamGroup, use: set[nn.Module] | None, *inputs: torch.Tensor
+        uses: GroupUses, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         return inputs
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group, ctx.use = inputs[0], inputs[1]
+        ctx.uses = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward(ctx.use)
-        return (None, None, *grads)
+        _post_backward(ctx.uses)
+        return (None, *grads)
 
     @staticmethod
     def jvp(  # type: ignore[override]
-        ctx: Any, _group: Any, _use: Any, *tangents: torch.Tensor
+        ctx: Any, _uses: Any, *tangents: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         return tangents
 
 
+def _post_backward(uses: GroupUses) -> None:
+    for group, use in reversed(uses):  # the last group first, as upstream's chained nodes
+        group.post_backward(use)
+
+
 def register_post_backward(
-    group: FSDPParamGroup,
+    uses: GroupUses,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    use: set[nn.Module] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hook the post-backward of this use on its inputs; ``None`` if none needs grad.
+    """Hook the post-backward of this use of a state's groups on its inputs.
 
-    ``use``: the modules run in this use (groups of several), handed to the
-    post-backward; see [Note: Gradients of parameters used on some ranks].
+    ``uses``: each group with the modules run in this use (groups of several
+    modules; else ``None``), handed to its post-backward; see [Note: Gradients
+    of parameters used on some ranks]. Returns ``None`` if no input needs grad.
     """
     flat = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
     leaves, spec = (list(args), None) if flat else tree_flatten((args, kwargs))
@@ -84,7 +93,7 @@ def register_post_backward(
     if not positions:
         return None
     function = _PostBackwardInTransform if functorch_active() else _PostBackward
-    outputs = function.apply(group, use, *(leaves[i] for i in positions))
+    outputs = function.apply(uses, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return (tuple(leaves), kwargs) if flat else tree_unflatten(leaves, spec)

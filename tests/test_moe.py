@@ -1,0 +1,360 @@
+"""Mixture-of-experts models sharded as torchtitan shards them: several meshes in one call.
+
+``examples/moe.py``'s model: top-1 routing, experts a ``DTensor`` ``Shard(0)``
+on an expert-parallel mesh ``ep`` with all-to-all dispatch, and per block one
+``fully_shard`` whose ``shard_placement_fn`` returns a ``ShardPlacementResult``
+per parameter: experts on ``efsdp`` (``Shard(1)`` when ``efsdp * ep`` ranks
+outnumber the experts), the rest on ``dp``. Every case trains against a
+single-process reference on the whole batch; where it runs under fsdp2 it
+also trains upstream's ``fully_shard`` on the same meshes and requires the
+same losses and parameters to the bit, and the same collectives in the same
+order. Expert gradients come from all ranks of their ``ep`` group, so they
+are summed and divided by the world size (``set_gradient_divide_factor(W)``
+and, on gloo, ``set_force_sum_reduction_for_comms``), as the reference's mean.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.fsdp as upstream
+from _impl import IMPL, ShardPlacementResult, fully_shard
+from checks import (
+    assert_losses_match,
+    check_case,
+    full_params,
+    on_collectives,
+    train_alone,
+    train_steps,
+)
+from models import (
+    assert_params_match,
+    expert_parallel,
+    moe_batch,
+    moe_loss,
+    moe_meshes,
+    shard_moe,
+    toy_moe,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp2 import clip_grad_norm_, enable_local_shard_step
+
+pytestmark = pytest.mark.skipif(
+    ShardPlacementResult is None, reason="torch before 2.12 has no ShardPlacementResult"
+)
+if ShardPlacementResult is not None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        ShardPlacementResult as UpstreamResult,
+    )
+
+STEPS = 3
+PER_RANK = 8
+
+
+def _set_divide_factor(model, factor: float) -> None:
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(factor)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _sharded(ref, fs, result_cls, dp, sparse, ep, world_size, division="world", **kwargs):
+    """``division``: "world" (sum / W), "off" (sum; torchtitan's, the loss over all ranks), None."""
+    model = copy.deepcopy(ref)
+    if ep > 1:
+        expert_parallel(model, sparse["ep"])
+    shard_moe(model, fs, result_cls, FSDPMeshInfo, dp, sparse, **kwargs)
+    if ep > 1 and division == "world":
+        _set_divide_factor(model, float(world_size))
+    elif division == "off":
+        _set_divide_factor(model, 1.0)
+    return model
+
+
+def _sharded_loss(world_size: int):
+    """The reference's mean loss; on a sharded model, this rank's share of it (division off)."""
+
+    def loss_fn(model, batch):
+        sharded = isinstance(model.head.weight, DTensor)
+        return moe_loss(model, batch) / (world_size if sharded else 1)
+
+    return loss_fn
+
+
+def _impls():
+    """(fully_shard, ShardPlacementResult) under test, and upstream's beside it under fsdp2."""
+    ours = [(fully_shard, ShardPlacementResult)]
+    return ours + ([(upstream.fully_shard, UpstreamResult)] if IMPL == "fsdp2" else [])
+
+
+def _parity(ep, num_experts, placement, steps=STEPS, division="world", shard_kw=None,
+            setup=None, check_ref=True, **train):
+    """Train every implementation against the reference; implementations equal bitwise."""
+
+    def case(rank, world_size):
+        dp, sparse = moe_meshes("cpu", ep)
+        ref = toy_moe(num_experts=num_experts)
+        batches = [moe_batch(s, PER_RANK * world_size) for s in range(steps)]
+        loss_fn = _sharded_loss(world_size) if division == "off" else moe_loss
+        runs = []
+        for fs, result_cls in _impls():
+            model = _sharded(ref, fs, result_cls, dp, sparse, ep, world_size, division,
+                             **(shard_kw or {}))
+            experts = model.layers[0].moe.experts.w1
+            assert experts.placements[0] in (placement, Shard(placement.dim)) or (
+                experts.placements[0].dim == placement.dim
+            ), experts.placements
+            assert_params_match(ref, model, rtol=0, atol=0)
+            reference = copy.deepcopy(ref)
+            more = setup(model, reference) if setup is not None else {}
+            if not check_ref:
+                reference = None
+            ref_losses, losses = train_steps(reference, model, batches, loss_fn, rank,
+                                             world_size, mean=division != "off", **train, **more)
+            if reference is None:
+                runs.append((losses, full_params(model)))
+                continue
+            if division == "off":  # each rank's share: their sum is the global mean
+                losses = torch.tensor(losses)
+                dist.all_reduce(losses)
+                losses = losses.tolist()
+            assert_losses_match(ref_losses, losses)
+            assert_params_match(reference, model)
+            runs.append((losses, full_params(model)))
+        for losses, params in runs[1:]:
+            assert losses == runs[0][0], (losses, runs[0][0])
+            for name, value in params.items():
+                assert torch.equal(value, runs[0][1][name]), name
+
+    return case
+
+
+def _unused_params(model, ref):
+    for m in (model, *model.layers):
+        m.set_reduce_scatter_unused_params(True)
+    return {}
+
+
+def _explicit_prefetch(model, ref=None):
+    """torchtitan's lists: each block prefetches the next in forward, the previous in backward."""
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    return {}
+
+
+def _checkpointed(model, ref):
+    model.checkpoint_layers = ref.checkpoint_layers = True
+    return {}
+
+
+def _clipped(model, ref):
+    """One clip_grad_norm_ over parameters on dp, efsdp x ep: the reference's norm, once."""
+
+    def clip():
+        norm = clip_grad_norm_(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm,
+                                   ref_norm, rtol=1e-5, atol=1e-6)
+
+    return {"after_backward": clip}
+
+
+def _flat_step(model, ref):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    enable_local_shard_step(opt)
+    return {"opts": (torch.optim.AdamW(ref.parameters(), lr=1e-2), opt)}
+
+
+def _dcp_round_trip(rank, world_size):
+    """state_dict() through DCP into a model of other values: the same parameters, bitwise."""
+    dp, sparse = moe_meshes("cpu", 2)
+    model = _sharded(toy_moe(), fully_shard, ShardPlacementResult, dp, sparse, 2, world_size)
+    train_alone(model, [moe_batch(0, PER_RANK * world_size)], moe_loss, rank, world_size)
+    folder = [tempfile.mkdtemp(prefix="fsdp2-moe-") if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder[0])
+    other = _sharded(toy_moe(seed=1), fully_shard, ShardPlacementResult, dp, sparse, 2,
+                     world_size)
+    state = {"model": other.state_dict()}
+    dcp.load(state, checkpoint_id=folder[0])
+    other.load_state_dict(state["model"])
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), name
+    batch = moe_batch(1, PER_RANK * world_size)
+    assert train_alone(model, [batch], moe_loss, rank, world_size) == train_alone(
+        other, [batch], moe_loss, rank, world_size)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+
+
+def _collective_order(ep, num_experts, setup=None, **kwargs):
+    """One step's collectives (kind, ranks, numel), in order, equal to upstream's."""
+
+    def case(rank, world_size):
+        if IMPL != "fsdp2":
+            return
+        dp, sparse = moe_meshes("cpu", ep)
+        ref = toy_moe(num_experts=num_experts)
+        batch = moe_batch(0, PER_RANK * world_size)
+        logs = []
+        for fs, result_cls in _impls():
+            model = _sharded(ref, fs, result_cls, dp, sparse, ep, world_size, **kwargs)
+            if setup is not None:
+                setup(model)
+            log = []
+
+            def record(kind, args, kwargs, log=log):
+                group = kwargs.get("group")
+                t = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+                log.append((kind, tuple(dist.get_process_group_ranks(group)), t.numel()))
+
+            tokens, targets = (t.chunk(world_size)[rank] for t in batch)
+            with on_collectives(record):
+                for _ in range(2):
+                    moe_loss(model, (tokens, targets)).backward()
+            logs.append(log)
+        assert logs[0] == logs[1], "\n".join(f"{a} | {b}" for a, b in zip(*logs))
+
+    return case
+
+
+def _refusals(rank, world_size):
+    """Upstream's classes and messages."""
+    dp, sparse = moe_meshes("cpu", 2)
+    dp_info = FSDPMeshInfo(mesh=dp, shard_mesh_dim=0)
+    ef_info = FSDPMeshInfo(mesh=sparse["efsdp"], shard_mesh_dim=0)
+    ef_twin = FSDPMeshInfo(mesh=sparse["efsdp"], shard_mesh_dim=0)
+
+    def raises(exc, text, fn):
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e), (text, str(e))
+            return
+        raise AssertionError(f"expected {exc.__name__}: {text}")
+
+    same_pg = "Params sharing the same process group must use the same FSDPMeshInfo object"
+    model = toy_moe()
+    block = model.layers[0]
+    w1 = block.moe.experts.w1
+    raises(ValueError, same_pg, lambda: fully_shard(block, mesh=dp, shard_placement_fn=lambda p: (
+        ShardPlacementResult(Shard(0), ef_info if p is w1 else ef_twin))))
+    model = toy_moe()
+    block = model.layers[0]
+    raises(ValueError, same_pg, lambda: fully_shard(block, mesh=dp, shard_placement_fn=lambda p: (
+        None if p is block.norm.weight else ShardPlacementResult(Shard(0), dp_info))))
+    efsdp = sparse["efsdp"].size()
+    if efsdp > 1:  # the world size named is the parameter's own mesh's (efsdp), not dp's
+        linear = torch.nn.Linear(3, 5)
+        uneven = (f"FSDP does not support uneven sharding on dim 1: torch.Size([5, 3]) "
+                  f"(world size: {efsdp})")
+        raises(NotImplementedError, uneven, lambda: fully_shard(
+            linear, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
+                Shard(p.dim() - 1), ef_info)))
+    model = toy_moe()
+    shard_moe(model, fully_shard, ShardPlacementResult, FSDPMeshInfo, dp, sparse)
+    block = model.layers[0]
+    for method, arg, what in (("set_custom_all_gather", object(), "custom comm"),
+                              ("set_custom_reduce_scatter", object(), "custom comm"),
+                              ("set_all_reduce_hook", lambda t: None, "hook")):
+        text = (f"{method} is not supported with multiple param groups (from per-param mesh via "
+                f"shard_placement_fn). The {what} would be ambiguous across groups with "
+                "different meshes.")
+        raises(ValueError, text, lambda m=method, a=arg: getattr(block, m)(a))
+    model = toy_moe()
+    raises(ValueError, "should be a factor of 2, not 4", lambda: shard_moe(
+        model, fully_shard, ShardPlacementResult, FSDPMeshInfo, dp, sparse,
+        reshard_after_forward=4))
+
+
+CASES_4 = {
+    "ep2_shard0": _parity(2, 4, Shard(0)),
+    "ep2_shard1": _parity(2, 2, Shard(1)),
+    # an efsdp of one rank: division off, as torchtitan (upstream divides a factor
+    # twice on a one-rank group with force-sum reductions)
+    "ep4_efsdp1": _parity(4, 4, Shard(0), division="off"),
+    "ep1_shard1_plain": _parity(1, 2, Shard(1)),
+    "order_ep2": _collective_order(2, 4),
+    "order_ep2_shard1": _collective_order(2, 2),
+    "order_prefetch": _collective_order(2, 4, setup=_explicit_prefetch),
+    "order_raf2": _collective_order(2, 4, reshard_after_forward=2),
+    "refusals": _refusals,
+}
+_UP = upstream  # upstream's policy objects: fsdp2 accepts them too
+COMPOSE_4 = {
+    "raf_true": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": True}),
+    "raf_false": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": False}),
+    "raf_2": _parity(2, 4, Shard(0), shard_kw={"reshard_after_forward": 2}),
+    "mixed_precision": _parity(2, 4, Shard(0), check_ref=False, shard_kw={
+        "mp_policy": _UP.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32)}),
+    "cpu_offload": _parity(2, 4, Shard(0), shard_kw={"offload_policy": _UP.CPUOffloadPolicy(pin_memory=False)}),
+    "explicit_prefetch": _parity(2, 4, Shard(0), setup=_explicit_prefetch),
+    "division_off": _parity(2, 4, Shard(0), division="off"),
+    "unused_params": _parity(2, 4, Shard(0), setup=_unused_params),
+    "accumulation": _parity(2, 4, Shard(0), micro_batches=2),
+    "activation_checkpointing": _parity(2, 2, Shard(1), setup=_checkpointed),
+    "clip_grad_norm": _parity(2, 4, Shard(0), setup=_clipped),
+    "flat_step": _parity(2, 2, Shard(1), setup=_flat_step),
+    "dcp_round_trip": _dcp_round_trip,
+}
+CASES_2 = {
+    "ep2_shard0": _parity(2, 2, Shard(0), division="off"),
+    "ep1_plain": _parity(1, 4, Shard(0)),
+    "order_ep2": _collective_order(2, 2),
+    "refusals": _refusals,
+}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES_4 if not n.startswith(("order", "refusals"))])
+def test_parity_w4(name, launch_cases):
+    """W=4: MoE training equals the reference (and upstream, to the bit)."""
+    check_case(launch_cases(4, CASES_4), name)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES_2 if not n.startswith(("order", "refusals"))])
+def test_parity_w2(name, launch_cases):
+    """W=2: MoE training equals the reference (and upstream, to the bit)."""
+    check_case(launch_cases(2, CASES_2), name)
+
+
+@pytest.mark.parametrize("name", list(COMPOSE_4))
+def test_composes_w4(name, launch_cases):
+    """W=4, ep=2: reshard_after_forward, mixed precision, offload, prefetch, accumulation, ..."""
+    check_case(launch_cases(4, COMPOSE_4), name)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collective_order_matches_upstream(world_size, launch_cases):
+    """Forward, backward and prefetch collectives: upstream's groups, sizes and order."""
+    cases = CASES_4 if world_size == 4 else CASES_2
+    for name in cases:
+        if name.startswith("order"):
+            check_case(launch_cases(world_size, cases), name)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_refusals(world_size, launch_cases):
+    """Same process group under two mesh infos, the three setters, uneven dims, int raf."""
+    cases = CASES_4 if world_size == 4 else CASES_2
+    check_case(launch_cases(world_size, cases), "refusals")
+
+
+def test_shard_placement_result_is_torchs():
+    """fsdp2.ShardPlacementResult is torch's class where torch has it."""
+    import fsdp2
+
+    assert fsdp2.ShardPlacementResult is UpstreamResult
