@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import foreach_mul, foreach_norm, local_tensor, strided_split_factor
+from ..runtime.replica_slices import slices_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -51,9 +52,14 @@ def clip_grad_norm_(
             params, max_norm, norm_type, error_if_nonfinite, foreach
         )
     buckets: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
         if isinstance(g, DTensor):
             key = (g.device_mesh, _sharded_mesh_dims(g))
+            if slices_of(p) is not None:  # each replica holds its slice only (zeros elsewhere)
+                key = (g.device_mesh, (0, *key[1]))  # see [Note: Replica slices]
             buckets.setdefault(key, []).append(local_tensor(g))
         else:
             buckets.setdefault((None, ()), []).append(g)

@@ -37,6 +37,11 @@ class LocalShardStepHandle:
         self.engine = engine
         self._hooks = hooks
 
+    def wait_for_parameters(self) -> None:
+        """``shard_across_replicas``: finish the post-step all-gathers; parameters are current."""
+        if self.engine.replicas is not None:
+            self.engine.replicas.wait()
+
     def remove(self) -> None:
         """Unregister the hooks; state in a host or disk tier comes back into ordinary memory."""
         for hook in self._hooks:
@@ -51,6 +56,7 @@ def enable_local_shard_step(
     *,
     flat_buffers: bool = True,
     offload: OptimizerOffloadPolicy | None = None,
+    shard_across_replicas: bool = False,
 ) -> LocalShardStepHandle:
     """Make ``optimizer.step()`` run on the plain local shards of its DTensor parameters.
 
@@ -79,6 +85,20 @@ def enable_local_shard_step(
     subclasses); the parameters must not change after this call. ``remove()`` brings the state
     back into ordinary memory.
 
+    ``shard_across_replicas``: HSDP (a 2-D ``(replicate, shard)`` mesh) with
+    the optimizer state sharded across replicas too: each replica rank steps
+    and keeps the state of only its 1/R slice of each group's flat shard; the
+    gradients are reduce-scattered over ``replicate`` instead of all-reduced
+    and the updated slices all-gathered after the step (waited for at the
+    group's next unshard, ``state_dict``, the next step, or
+    ``handle.wait_for_parameters()``). Same parameters as plain HSDP (bit for
+    bit at R = 2), state memory / R, bytes communicated unchanged. Elementwise
+    optimizers of fsdp2's ``fully_shard`` only (``fsdp2.Muon`` and others are
+    refused); not with ``offload=`` or ``flat_buffers=False``.
+    ``optimizer.state_dict()`` then all-gathers the slices (call it on every
+    rank) and gives plain HSDP's layout. See [Note: Replica slices] in
+    ``runtime/replica_slices.py``.
+
     Example::
 
         optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -90,12 +110,19 @@ def enable_local_shard_step(
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    engine = StepEngine(optimizer, flat_buffers=flat_buffers, offload=offload)
-    return LocalShardStepHandle(
-        engine,
-        [
-            optimizer.register_step_pre_hook(engine.before_step),
-            optimizer.register_step_post_hook(engine.after_step),
-            optimizer.register_load_state_dict_post_hook(engine.after_load),
-        ],
+    engine = StepEngine(
+        optimizer,
+        flat_buffers=flat_buffers,
+        offload=offload,
+        shard_across_replicas=shard_across_replicas,
     )
+    hooks = [
+        optimizer.register_step_pre_hook(engine.before_step),
+        optimizer.register_step_post_hook(engine.after_step),
+        optimizer.register_load_state_dict_post_hook(engine.after_load),
+    ]
+    if engine.replicas is not None:
+        replicas = engine.replicas
+        hooks.append(optimizer.register_state_dict_pre_hook(lambda _: replicas.wait()))
+        hooks.append(optimizer.register_state_dict_post_hook(replicas.full_state_dict))
+    return LocalShardStepHandle(engine, hooks)

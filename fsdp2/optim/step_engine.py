@@ -30,6 +30,7 @@ from .._torch_compat import local_tensor
 from ..api import OptimizerOffloadPolicy
 from . import unit_step
 from .flat_run import FlatRun
+from .replica_sharded_step import ReplicaShardedStep, SlicedRun
 from .state_store import DiskStore, open_tier, release_free_heap
 from .state_views import publish, unwrap
 from .step_plan import GroupPlan, Unit, elementwise_names, is_elementwise, plan_group, plan_units
@@ -45,6 +46,7 @@ class _Swapped:
         self.params = params  # the group's own list, put back after the step
         self.runs: list[FlatRun] = []  # stepped as flat runs
         self.singles: list[tuple[DTensor, torch.Tensor]] = []  # (parameter, its local tensor)
+        self.sliced: list[SlicedRun] = []  # HSDP, state sharded across replicas
 
 
 class StepEngine:
@@ -62,7 +64,15 @@ class StepEngine:
         *,
         flat_buffers: bool,
         offload: OptimizerOffloadPolicy | None = None,
+        shard_across_replicas: bool = False,
     ) -> None:
+        if shard_across_replicas and (offload is not None or not flat_buffers):
+            raise NotImplementedError(
+                "shard_across_replicas=True steps flat runs in memory: it cannot be combined "
+                "with offload=... or flat_buffers=False"
+            )
+        # ---- HSDP, state sharded across replicas: see [Note: Replica slices]
+        self.replicas = ReplicaShardedStep(optimizer) if shard_across_replicas else None
         if offload is not None and not is_elementwise(optimizer):
             raise ValueError(
                 f"OptimizerOffloadPolicy needs an elementwise optimizer ({elementwise_names()}); "
@@ -108,6 +118,8 @@ class StepEngine:
     # ---- the hooks ----------------------------------------------------------------
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.replicas is not None:
+            self.replicas.wait()  # the last step's all-gather lands before this one steps
         if self.tier.in_units:
             self._step_units(optimizer, args, kwargs)
         else:
@@ -118,6 +130,8 @@ class StepEngine:
             g["params"] = params
         self._held = []
         self._swap_out(optimizer.state)
+        if self.replicas is not None:
+            self.replicas.after_step()
 
     def after_load(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``load_state_dict``: a store tier copies the loaded state in.
@@ -136,6 +150,8 @@ class StepEngine:
 
     def close(self) -> None:
         """Stop: state in files comes back into ordinary memory, the tier is released."""
+        if self.replicas is not None:
+            self.replicas.close()
         if isinstance(self.tier, DiskStore):
             state = self.optimizer.state
             for unit in self.units:
@@ -151,9 +167,11 @@ class StepEngine:
 
     def _swap_in(self, optimizer: torch.optim.Optimizer) -> None:
         state = optimizer.state
-        for group in optimizer.param_groups:
+        for gi, group in enumerate(optimizer.param_groups):
             params = group["params"]
             plan = self.plan_of(group)
+            if self.replicas is not None:
+                self.replicas.check_leftovers(plan.leftovers)
             # runs are DTensors; their gradients are checked as they are gathered
             if not _all_local_steppable(plan.leftovers):
                 continue
@@ -161,6 +179,15 @@ class StepEngine:
             stand_ins: list[torch.Tensor] = []
             singles = list(plan.leftovers)
             for run in plan.runs:
+                sliced = self.replicas.sliced(run, gi) if self.replicas is not None else None
+                if sliced is not None:  # only this replica rank's slice of the run
+                    grad = run.flat_grad()
+                    if grad is None:
+                        self.replicas.check_leftovers([p for p in run.params if p.grad is not None])
+                        continue
+                    stand_ins += sliced.attach(state, grad)
+                    swapped.sliced.append(sliced)
+                    continue
                 grad = run.flat_grad()
                 if grad is None or not run.adopt_state(state):
                     # some gradients missing, or state the run cannot hold: one by one
@@ -185,6 +212,8 @@ class StepEngine:
         for swapped in self._swapped:
             for run in swapped.runs:
                 run.detach(state)
+            for sliced in swapped.sliced:
+                sliced.detach(state)
             for p, local in swapped.singles:
                 local.grad = None
                 if local in state:

@@ -117,6 +117,8 @@ class FlatShard:
         _register_slots(self)
         # Set when the registered parameters may no longer view the buffer.
         self.needs_adoption = False
+        # Optimizer state sharded across replicas: see [Note: Replica slices] in replica_slices.py
+        self.replica_slices: object | None = None
 
     def _new_buffer(self, device: torch.device, empty: bool = False) -> torch.Tensor:
         pin = self.pin_memory and device.type == "cpu"
@@ -222,6 +224,15 @@ def _register_slots(flat: FlatShard) -> None:
     ref = weakref.ref(flat)
     for i, p in enumerate(flat.fsdp_params):
         _SLOTS[id(p.sharded_param)] = (ref, i)
+
+
+def flat_shard_of(param: torch.Tensor) -> FlatShard | None:
+    """The ``FlatShard`` whose slot ``param`` (a sharded parameter) was bound to, or ``None``."""
+    entry = _SLOTS.get(id(param))
+    flat = None if entry is None else entry[0]()
+    if flat is None or flat.fsdp_params[entry[1]].sharded_param is not param:
+        return None
+    return flat
 
 
 def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:

@@ -564,10 +564,12 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
     """
 
     def before_save(*args: Any, **kwargs: Any) -> None:
+        group.wait_for_replica_gather()
         group.reshard()
         group.adopt_params()
 
     def before_load(*args: Any, **kwargs: Any) -> None:
+        group.wait_for_replica_gather()
         group.reshard()
 
     def after_load(*args: Any, **kwargs: Any) -> None:

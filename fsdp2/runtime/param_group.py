@@ -210,6 +210,12 @@ class FSDPParamGroup:
         if self.offload:
             check_on_host(self.fsdp_params, self.device)
 
+    def wait_for_replica_gather(self) -> None:
+        """Finish the post-step all-gather across replicas, if any (see [Note: Replica slices])."""
+        slices = self._flat.replica_slices
+        if slices is not None:
+            slices.wait()
+
     # ---- unshard / reshard --------------------------------------------------
 
     @property
@@ -234,6 +240,7 @@ class FSDPParamGroup:
         step = self.step
         if step.is_unsharded or step.pending_unshard is not None or step.pending_staged:
             return
+        self.wait_for_replica_gather()
         if self._flat.needs_adoption:
             self.adopt_params()
             self.check_materialized()

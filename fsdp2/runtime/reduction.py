@@ -99,7 +99,7 @@ import torch.nn as nn
 
 from ..errors import FSDPAssertionError
 from ..versions import ACCUMULATE_IN_GRAD_DTYPE
-from . import collectives
+from . import collectives, replica_slices
 from .comm_context import CommContext
 from .comm_memory import effective
 from .group_settings import ReductionSettings
@@ -413,8 +413,13 @@ class GradientReduction:
         ctx = self.comm_ctx
         # HSDP's all-reduce on its own stream, after the reduce-scatter (no-ops without streams)
         ctx.wait_stream(None, ctx.all_reduce, ctx.reduce_scatter)
+        # ---- optimizer state sharded across replicas: see [Note: Replica slices]
+        slices = replica_slices.of_params(self.fsdp_params)
         with ctx.use(ctx.all_reduce):
-            collectives.all_reduce(output, self.mesh_info.replicate_process_group, op)
+            if slices is not None and slices.covers(output):
+                slices.reduce(output, op)  # a reduce-scatter in place of the all-reduce
+            else:
+                collectives.all_reduce(output, self.mesh_info.replicate_process_group, op)
         # the views and casts after it run on the reduce-scatter stream
         ctx.wait_stream(None, ctx.reduce_scatter, ctx.all_reduce)
         return True

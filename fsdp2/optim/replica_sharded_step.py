@@ -1,0 +1,276 @@
+"""Stepping only this replica rank's slice of each flat run (HSDP, state sharded across replicas).
+
+``enable_local_shard_step(optimizer, shard_across_replicas=True)`` marks every
+group of the optimizer's parameters (runtime/replica_slices.py, see [Note:
+Replica slices] there): the gradient is reduce-scattered over replicas, and
+here each flat run (flat_run.py) steps only its part inside this rank's slice
+of the group's buffer, as one tensor, holding only that part's state
+(``SlicedRun``). After the step the engine starts the all-gather of the
+updated slices.
+
+Outside ``step``, ``optimizer.state[p]`` holds only the scalar state (``step``)
+of a parameter, so the slices' memory is the only copy of the moments.
+``optimizer.state_dict()`` (and so DCP, ``get_optimizer_state_dict``,
+``save_checkpoint``) gets the state with plain HSDP's layout: a post-hook
+all-gathers each group's slices of every state key over the replicas (a
+collective: call ``state_dict()`` on every rank) and fills the per-parameter
+DTensors, so a checkpoint loads into plain HSDP, FSDP or one process, and the
+other way round; ``load_state_dict`` of such a state keeps only the slice at
+the next step. The transient memory of a ``state_dict()`` is plain HSDP's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._torch_compat import dtensor_like, local_tensor
+from ..runtime import replica_slices
+from ..runtime.flat_shard import flat_slot_of
+from ..runtime.replica_slices import ReplicaSlices
+from .flat_run import FlatRun
+from .step_plan import ctor_args, elementwise_names, is_elementwise
+
+
+class SlicedRun:
+    """The part of one flat run inside this replica rank's slice, stepped as one tensor.
+
+    ``begin`` / ``end`` bound the part in the run's elements; ``param`` is that
+    view of the buffer (the key the optimizer sees during ``step``) and
+    ``state`` its optimizer state between steps.
+    """
+
+    def __init__(self, run: FlatRun, slices: ReplicaSlices, group: int) -> None:
+        self.slices = slices
+        self.group = group
+        self.state: dict[str, Any] = {}
+        self.rebind(run)
+
+    def rebind(self, run: FlatRun) -> None:
+        """Follow ``run`` (planned again, or its buffer re-allocated)."""
+        self.run = run
+        self.run_start = flat_slot_of(run.params[0]).start
+        lo = max(self.run_start, self.slices.start)
+        hi = max(lo, min(self.run_start + run.flat.numel(), self.slices.stop))
+        self.begin, self.end = lo - self.run_start, hi - self.run_start
+        self.param = run.flat[self.begin : self.end]
+
+    def adopt(self, state: dict) -> None:
+        """Take the slice of per-parameter state a ``load_state_dict`` put in ``state``."""
+        loaded = [state.get(p) for p in self.run.params]
+        if not any(
+            v is not None and any(torch.is_tensor(x) and x.dim() > 0 for x in v.values())
+            for v in loaded
+        ):
+            return
+        built: dict[str, Any] = {}
+        for values in loaded:
+            for key, value in (values or {}).items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    built.setdefault(key, value.detach().clone() if torch.is_tensor(value) else value)
+        for key in {k for v in loaded if v for k, x in v.items() if torch.is_tensor(x) and x.dim()}:
+            flat = torch.zeros(self.end - self.begin, dtype=self.param.dtype, device=self.param.device)
+            for values, off, n in zip(loaded, self.run.offsets, self.run.numels):
+                lo, hi = max(off, self.begin), min(off + n, self.end)
+                if values is not None and key in values and hi > lo:
+                    local = values[key]
+                    local = local_tensor(local) if isinstance(local, DTensor) else local
+                    flat[lo - self.begin : hi - self.begin].copy_(local.reshape(-1)[lo - off : hi - off])
+            built[key] = flat
+        self.state = built
+        self._publish_scalars(state)
+
+    def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+        """Before the step: the slice's part with its gradient and state."""
+        if not isinstance(grad, torch.Tensor):
+            raise RuntimeError(
+                "shard_across_replicas=True: the gradients of a flat run are not one region "
+                "laid out as the buffer (a gradient set by hand?); zero_grad() and run backward"
+            )
+        self.adopt(state)
+        if self.end == self.begin:
+            return []
+        self.param.grad = grad[self.begin : self.end]
+        if self.state:
+            state[self.param] = self.state
+        return [self.param]
+
+    def detach(self, state: dict) -> None:
+        """After the step: keep the part's state; per parameter, only its scalars."""
+        self.param.grad = None
+        if self.end > self.begin:
+            self.state = state.pop(self.param, self.state)
+        self._publish_scalars(state)
+
+    def _publish_scalars(self, state: dict) -> None:
+        scalars = {k: v for k, v in self.state.items() if not (torch.is_tensor(v) and v.dim())}
+        if scalars:
+            for p in self.run.params:
+                state[p] = dict(scalars)
+        else:
+            for p in self.run.params:
+                state.pop(p, None)
+
+
+class ReplicaShardedStep:
+    """The step engine's part for parameters whose state is sharded across replicas."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not is_elementwise(optimizer):
+            raise ValueError(
+                f"shard_across_replicas=True needs one of torch's elementwise optimizers "
+                f"({elementwise_names()}); {type(optimizer).__name__} may read a whole "
+                "parameter (fsdp2.Muon orthogonalizes whole matrices), which a replica's slice "
+                "does not hold: drop the option for it"
+            )
+        self.optimizer = optimizer
+        self.slices: list[ReplicaSlices] = []
+        names = _names(optimizer)
+        for group in optimizer.param_groups:
+            if group.get("differentiable", False):
+                raise ValueError("shard_across_replicas=True does not support differentiable=True")
+            for p in group["params"]:
+                slices = replica_slices.enable(p, names.get(id(p), "<unnamed>"))
+                if slices is not None and slices not in self.slices:
+                    self.slices.append(slices)
+        self.runs: dict[tuple[int, ...], SlicedRun] = {}
+        self._stepped: list[ReplicaSlices] = []
+
+    def sliced(self, run: FlatRun, group: int) -> SlicedRun | None:
+        """``run``'s part in this rank's slice, or ``None`` if its group is not sharded so."""
+        slices = replica_slices.slices_of(run.params[0])
+        if slices is None:
+            return None
+        key = tuple(map(id, run.params))
+        sliced = self.runs.get(key)
+        if sliced is None:
+            sliced = self.runs[key] = SlicedRun(run, slices, group)
+        elif sliced.run is not run or sliced.slices is not slices:
+            sliced.slices = slices
+            sliced.rebind(run)
+        if slices not in self._stepped:
+            self._stepped.append(slices)
+        return sliced
+
+    def check_leftovers(self, params: list) -> None:
+        """A parameter of a sliced group must step in a run: its slice is all it has."""
+        for p in params:
+            if replica_slices.slices_of(p) is not None:
+                raise RuntimeError(
+                    "shard_across_replicas=True: a parameter of a group sharded across replicas "
+                    "cannot step on its own (some of its run's parameters have no gradient): "
+                    "give every trainable parameter of a group a gradient, or drop the option"
+                )
+
+    def wait(self) -> None:
+        """Finish every post-step all-gather in flight."""
+        for slices in self.slices:
+            slices.wait()
+
+    def after_step(self) -> None:
+        """Start the all-gathers over replicas of the slices just stepped."""
+        for slices in self._stepped:
+            slices.start_gather()
+        self._stepped = []
+
+    def close(self) -> None:
+        for slices in self.slices:
+            replica_slices.disable(slices)
+
+    # ---- state dicts: plain HSDP's layout ------------------------------------------
+
+    def full_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+        """``optimizer.state_dict()``'s post-hook: every sliced state gathered over replicas."""
+        index_of = {}
+        for g_sd, group in zip(sd["param_groups"], optimizer.param_groups):
+            for index, p in zip(g_sd["params"], group["params"]):
+                index_of[id(p)] = index
+        tensor_keys, scalar_keys = [], []
+        for group in optimizer.param_groups:
+            t, s = _probe_keys(optimizer, group)
+            tensor_keys += [k for k in t if k not in tensor_keys]
+            scalar_keys += [k for k in s if k not in scalar_keys]
+        for slices in self.slices:
+            runs = [r for r in self.runs.values() if r.slices is slices]
+            if not runs:
+                continue
+            gathered = {}
+            for key in tensor_keys:
+                mine = slices.flat.buffer.new_zeros(slices.chunk)
+                for r in runs:
+                    value = r.state.get(key)
+                    if torch.is_tensor(value) and value.dim():
+                        at = r.run_start + r.begin - slices.start
+                        mine[at : at + value.numel()].copy_(value)
+                out = mine.new_empty(slices.chunk * slices.num_replicas)
+                dist.all_gather_into_tensor(out, mine, group=slices.group)
+                gathered[key] = out
+            scalars = torch.full((len(runs), len(scalar_keys) + 1), math.nan, dtype=torch.float64)
+            for i, r in enumerate(runs):
+                if r.state:
+                    scalars[i, -1] = 1.0  # this run has state
+                for j, key in enumerate(scalar_keys):
+                    if key in r.state:
+                        scalars[i, j] = float(r.state[key])
+            device = slices.flat.buffer.device
+            all_scalars = [torch.empty_like(scalars, device=device) for _ in range(slices.num_replicas)]
+            dist.all_gather(all_scalars, scalars.to(device), group=slices.group)
+            known = _first_known(torch.stack([s.cpu() for s in all_scalars]))
+            for i, r in enumerate(runs):
+                if math.isnan(known[i, -1]):
+                    continue  # no state on any replica (e.g. SGD without momentum)
+                for p, off, n in zip(r.run.params, r.run.offsets, r.run.numels):
+                    entry: dict[str, Any] = {}
+                    for j, key in enumerate(scalar_keys):
+                        if not math.isnan(known[i, j]):
+                            entry[key] = torch.tensor(known[i, j], dtype=_scalar_dtype())
+                    start = r.run_start + off
+                    shape = local_tensor(p).shape
+                    for key, full in gathered.items():
+                        entry[key] = dtensor_like(p, full[start : start + n].clone().view(shape))
+                    sd["state"][index_of[id(p)]] = entry
+        return sd
+
+
+def _first_known(stacked: torch.Tensor) -> torch.Tensor:
+    """Per entry, the first replica's value that is not NaN (NaN where none is)."""
+    out = stacked[0].clone()
+    for other in stacked[1:]:
+        out = torch.where(torch.isnan(out), other, out)
+    return out
+
+
+def _scalar_dtype() -> torch.dtype:
+    # as torch.optim's _get_scalar_dtype
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _probe_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[list[str], list[str]]:
+    """(parameter-shaped, 0-d) state keys ``group``'s settings create, by a step on ``meta``."""
+    hparams = {k: v for k, v in group.items() if k != "params"}
+    probe = torch.empty(2, device="meta", requires_grad=True)
+    probe.grad = torch.empty(2, device="meta")
+    args = ctor_args(type(optimizer), hparams)
+    args["foreach"] = False
+    if "fused" in args:
+        args["fused"] = None
+    dry = type(optimizer)([probe], **args)
+    dry.step()
+    state = dry.state[probe]
+    tensors = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1)
+    scalars = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 0)
+    return tensors, scalars
+
+
+def _names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """``param_names`` where the optimizer has them (torch >= 2.6), for errors."""
+    names = {}
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            given = group.get("param_names")
+            names[id(p)] = given[i] if given else f"param_groups[..][{i}] of shape {tuple(p.shape)}"
+    return names

@@ -1,0 +1,150 @@
+"""HSDP with the optimizer state sharded across replicas: each replica rank owns 1/R of a shard.
+
+[Note: Replica slices]
+Plain HSDP all-reduces each group's reduce-scattered gradient over the
+``replicate`` dim, and every replica steps its whole shard with a whole copy
+of the shard's optimizer state (Adam: 8 bytes per parameter, R times over).
+With ``enable_local_shard_step(optimizer, shard_across_replicas=True)`` the
+group's flat buffer (one dtype) is cut into R contiguous *slices* of
+``ceil(N / R)`` elements (the last one shorter, maybe empty); replica rank
+``r`` owns slice ``r`` and:
+
+- the all-reduce becomes a reduce-scatter over ``replicate`` (``reduce``):
+  this rank's slice of the flat gradient holds the reduced values, the rest
+  of the flat gradient is zeroed (so a norm over it counts each element once
+  across replicas, see clip_grad.py);
+- the optimizer steps only the slice (optim/replica_sharded_step.py) and
+  keeps only the slice's state;
+- after the step, one all-gather over ``replicate`` of the updated slices
+  (``start_gather``, asynchronous) rewrites the whole buffer; it is waited
+  for (``wait``) before the parameters are next used: the group's next
+  unshard, its ``state_dict``, the next step.
+
+A reduce-scatter and an all-gather move the bytes of one ring all-reduce, so
+the communication per step is plain HSDP's. With R = 2 the reduced values are
+bit-identical to the all-reduce's (one addition of two operands); for R > 2 the
+backend may sum in another order (within one rounding).
+
+A group whose gradients do not cover the whole buffer (frozen parameters in
+it) keeps the all-reduce (every slice is then exact too) and is still stepped
+in slices and gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from .._torch_compat import local_tensor
+from . import collectives
+from .flat_shard import FlatShard, flat_shard_of
+from .param import FSDPParam
+
+
+class ReplicaSlices:
+    """This replica rank's slice of one group's flat buffer, and the collectives over replicas."""
+
+    def __init__(self, flat: FlatShard, group: dist.ProcessGroup) -> None:
+        self.flat = flat
+        self.group = group
+        self.num_replicas = dist.get_world_size(group)
+        self.replica_rank = dist.get_rank(group)
+        self.numel = flat.layout.numel
+        self.chunk = -(-self.numel // self.num_replicas)
+        self.start = min(self.replica_rank * self.chunk, self.numel)
+        self.stop = min(self.start + self.chunk, self.numel)
+        self._pending: tuple | None = None  # (work, output, input) of the post-step all-gather
+
+    def covers(self, flat_grad: torch.Tensor) -> bool:
+        """Whether ``flat_grad`` is laid out as the whole buffer (every slot has a gradient)."""
+        return flat_grad.numel() == self.numel
+
+    def reduce(self, flat_grad: torch.Tensor, op: object) -> None:
+        """Reduce-scatter ``flat_grad`` over replicas: the slice reduced, the rest zeroed."""
+        padded = self.chunk * self.num_replicas
+        src = flat_grad
+        if padded != self.numel:
+            src = flat_grad.new_zeros(padded)
+            src[: self.numel].copy_(flat_grad)
+        out = flat_grad.new_empty(self.chunk)
+        collectives.reduce_scatter(out, src, self.group, op)
+        flat_grad[: self.start].zero_()
+        flat_grad[self.stop :].zero_()
+        flat_grad[self.start : self.stop].copy_(out[: self.stop - self.start])
+
+    def start_gather(self) -> None:
+        """After the step: all-gather the updated slices over replicas (asynchronously)."""
+        self.wait()
+        buffer = self.flat.buffer
+        inp = buffer.new_zeros(self.chunk)
+        inp[: self.stop - self.start].copy_(buffer[self.start : self.stop])
+        out = buffer.new_empty(self.chunk * self.num_replicas)
+        work = collectives.all_gather(out, inp, self.group, async_op=True)
+        self._pending = (work, out, inp, buffer)
+
+    @property
+    def gathering(self) -> bool:
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Finish the post-step all-gather, if one is in flight: the buffer is whole again."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, out, _, buffer = pending
+        if work is not None:
+            work.wait()
+        buffer.copy_(out[: self.numel])
+
+
+def of_params(fsdp_params: list[FSDPParam]) -> ReplicaSlices | None:
+    """The replica slices of the group holding ``fsdp_params``, or ``None`` (plain HSDP)."""
+    if not fsdp_params:
+        return None
+    flat = flat_shard_of(fsdp_params[0].sharded_param)
+    return None if flat is None else flat.replica_slices  # type: ignore[return-value]
+
+
+def slices_of(param: torch.Tensor) -> ReplicaSlices | None:
+    """The replica slices of the group whose flat buffer ``param`` views, or ``None``."""
+    flat = flat_shard_of(param)
+    return None if flat is None else flat.replica_slices  # type: ignore[return-value]
+
+
+def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
+    """Shard the optimizer state of ``param``'s group across replicas; ``None`` if not fsdp2's.
+
+    Raises ``ValueError`` for a parameter not on a 2-D (replicate, shard) mesh,
+    ``NotImplementedError`` for a group of several dtypes. ``name`` names
+    the parameter in errors.
+    """
+    flat = flat_shard_of(param)
+    if flat is None or not isinstance(param, DTensor):
+        return None
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or placements[1].is_replicate():
+        raise ValueError(
+            f"shard_across_replicas=True needs HSDP: a 2-D (replicate, shard) mesh; parameter "
+            f"{name} is on a {mesh.ndim}-D mesh with placements {tuple(placements)}. With a 1-D "
+            "mesh the optimizer state is already sharded over every rank: drop the option"
+        )
+    if flat.layout.mixed:
+        raise NotImplementedError(
+            f"shard_across_replicas=True: parameter {name} is in a group of several dtypes "
+            "(one uint8 flat buffer); give the parameters of other dtypes their own fully_shard "
+            "call, or drop the option"
+        )
+    if local_tensor(param).device != flat.buffer.device:
+        raise NotImplementedError(
+            f"shard_across_replicas=True: parameter {name} is not on its group's buffer's device"
+        )
+    if flat.replica_slices is None:
+        flat.replica_slices = ReplicaSlices(flat, mesh.get_group(0))
+    return flat.replica_slices  # type: ignore[return-value]
+
+
+def disable(slices: ReplicaSlices) -> None:
+    """Back to plain HSDP: the pending all-gather finishes, the group all-reduces again."""
+    slices.wait()
+    slices.flat.replica_slices = None
