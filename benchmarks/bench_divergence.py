@@ -76,7 +76,7 @@ def check_cost_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
         total, in_check = _lazy_init_seconds("fsdp2", model)
         lazy.append(total)
         check.append(in_check)
-        groups = [s.param_group for s in state_of(model).root_ctx.all_states if s.param_group]
+        groups = [s.param_group for s in state_of(model).root_steps.all_states if s.param_group]
         t0 = time.perf_counter()
         meshes: dict[int, str] = {}
         digest = divergence._hash([divergence.group_fingerprint(g, meshes) for g in groups])

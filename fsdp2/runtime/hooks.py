@@ -107,7 +107,7 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-class _RootContext:
+class _RootSteps:
     """Shared by every state under one root: its states and the control of its steps.
 
     Each state starts with its own; lazy init makes every state under the
@@ -149,7 +149,7 @@ class FSDPState:
         self.is_root: bool | None = None
         # Root only, on accelerators: forward inputs are moved there (as upstream).
         self._input_device: torch.device | None = None
-        self.root_ctx = _RootContext(self)
+        self.root_steps = _RootSteps(self)
         # This call's own (its group's too) until the root's lazy init hands the root's
         self.comm_ctx = comm_ctx
         self._modules_to_run: set[nn.Module] = set()
@@ -194,10 +194,10 @@ class FSDPState:
                 "call fully_shard on the model's root module and run forward through it"
             )
         root_module = self.modules[0]
-        ctx = self.root_ctx
+        ctx = self.root_steps
         for module in root_module.modules():
             state = state_of(module)
-            if state is not None and state is not self and state.root_ctx.manual_finalization:
+            if state is not None and state is not self and state.root_steps.manual_finalization:
                 raise RuntimeError(
                     "set_manual_backward_finalization must be called on the root FSDP module\n"
                     f"It was set on '{type(module).__name__}', which is not the root of "
@@ -220,7 +220,7 @@ class FSDPState:
             if state is not self:
                 self._adopt_settings(state)
             state.is_root = state is self
-            state.root_ctx = ctx
+            state.root_steps = ctx
             state.comm_ctx = self.comm_ctx
             ctx.all_states.append(state)
         self.is_root = True
@@ -266,9 +266,9 @@ class FSDPState:
 
     def _adopt_settings(self, state: FSDPState) -> None:
         """Carry root-level settings made on ``state`` before lazy init over to this root."""
-        own = state.root_ctx
+        own = state.root_steps
         if not own.is_last_backward:
-            self.root_ctx.is_last_backward = False
+            self.root_steps.is_last_backward = False
         if state.post_optim_event is not None and self.post_optim_event is None:
             self.post_optim_event = state.post_optim_event
         state.post_optim_event = None
@@ -287,10 +287,10 @@ class FSDPState:
             group.set_comm_ctx(other.comm_ctx)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        self.root_ctx.is_last_backward = is_last_backward
+        self.root_steps.is_last_backward = is_last_backward
 
     def set_post_optim_event(self, event: Any) -> None:
-        self.root_ctx.root.post_optim_event = event
+        self.root_steps.root.post_optim_event = event
 
     def _wait_post_optim_event(self) -> None:
         # All-gathers run on the current stream, so that stream waits for the
@@ -318,7 +318,7 @@ class FSDPState:
         if self._input_device is not None:
             device = self._input_device
             args, kwargs = cast = map_tensors(lambda t: t.to(device), (args, kwargs))
-        if self.is_root and self.root_ctx.pending_reduction is not None:
+        if self.is_root and self.root_steps.pending_reduction is not None:
             raise RuntimeError(
                 "The previous gradient reduction must be waited on before forward\n"
                 "Call wait() on the GradientReductionHandle that finalize_backward(async_op=True) "
@@ -366,7 +366,7 @@ class FSDPState:
         output = self._finish_forward(output)
         if self.is_root:
             # Groups of several modules that did not all run: finish them now.
-            for state in self.root_ctx.all_states:
+            for state in self.root_steps.all_states:
                 if state._modules_to_run:
                     state._modules_to_run.clear()
                     output = state._cast_output(state._finish_forward(output))
@@ -392,7 +392,7 @@ class FSDPState:
     # ---- backward hooks -------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        ctx = self.root_ctx
+        ctx = self.root_steps
         if not ctx.callback_queued:
             ctx.callback_queued = True
             if ctx.manual_active is None:
@@ -412,7 +412,7 @@ class FSDPState:
             self._root_post_backward()
 
     def _root_post_backward(self) -> None:
-        ctx = self.root_ctx
+        ctx = self.root_steps
         manual = bool(ctx.manual_active)
         # Root first, then the order lazy init found the states in (as upstream):
         # the order of the reductions of groups autograd did not reach.
@@ -426,7 +426,7 @@ class FSDPState:
         ctx.callback_queued = False
 
     def _end_step(self) -> None:
-        ctx = self.root_ctx
+        ctx = self.root_steps
         for state in ctx.all_states:
             for group in state.param_groups:
                 group.end_step()
@@ -439,7 +439,7 @@ class FSDPState:
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """See ``FSDPModule.set_manual_backward_finalization`` and [Note: Manual backward finalization]."""
         self._check_root("set_manual_backward_finalization")
-        ctx = self.root_ctx
+        ctx = self.root_steps
         if enabled != ctx.manual_finalization and in_backward():
             raise RuntimeError(
                 "set_manual_backward_finalization cannot change mode during backward\n"
@@ -461,7 +461,7 @@ class FSDPState:
         self._check_root("finalize_backward")
         if self.is_root is None:
             return None  # no forward ran yet: nothing to reduce
-        ctx = self.root_ctx
+        ctx = self.root_steps
         self._check_can_finalize(require_manual)
         logger.debug("finalize_backward %s", type(self.modules[0]).__name__)
         for state in reversed(ctx.all_states):  # as autograd would reach them
@@ -475,7 +475,7 @@ class FSDPState:
 
     def wait_for_reduction(self, token: object) -> None:
         """``GradientReductionHandle.wait``: end the step an async finalize started."""
-        ctx = self.root_ctx
+        ctx = self.root_steps
         if ctx.pending_reduction is not token:
             raise RuntimeError(
                 "This gradient reduction handle was invalidated\n"
@@ -485,7 +485,7 @@ class FSDPState:
         ctx.pending_reduction = None
 
     def _check_can_finalize(self, require_manual: bool) -> None:
-        ctx = self.root_ctx
+        ctx = self.root_steps
         if ctx.pending_reduction is not None:
             raise RuntimeError(
                 "The previous gradient reduction must be waited on before finalizing backward "
@@ -527,7 +527,7 @@ class FSDPState:
 
     def _check_root(self, method: str) -> None:
         if self.is_root is False:
-            root = self.root_ctx.root.modules[0]
+            root = self.root_steps.root.modules[0]
             where = self.param_groups[0].module_fqn if self.param_groups else ""
             raise RuntimeError(
                 f"{method} must be called on the root FSDP module\n"
@@ -541,7 +541,7 @@ class FSDPState:
         self._check_root("reset_iter_state")
         if self.is_root is None:
             return  # no forward ran yet: nothing to reset
-        ctx = self.root_ctx
+        ctx = self.root_steps
         for state in ctx.all_states:
             state._modules_to_run.clear()
             for group in state.param_groups:
