@@ -232,13 +232,14 @@ class StepEngine:
         """
         cleared: dict[int, set[int]] = {}  # id(param group) -> ids of its cleared parameters
         for group, params, grads, flat in self._grad_views:
-            if all(p.grad is g for p, g in zip(params, grads)):
-                if set_to_none:
-                    for p in params:
-                        p.grad = None
-                else:
-                    flat.zero_()
-                cleared.setdefault(id(group), set()).update(map(id, params))
+            if set_to_none:  # None whatever they hold now: no check (each .grad read costs
+                for p in params:  # a __torch_function__ round on a DTensor parameter)
+                    p.grad = None
+            elif all(p.grad is g for p, g in zip(params, grads)):
+                flat.zero_()
+            else:
+                continue
+            cleared.setdefault(id(group), set()).update(map(id, params))
         if set_to_none:
             self._grad_views = []  # holds no flat gradient alive
         if not cleared:
