@@ -24,6 +24,7 @@ from .integrations.patch import TorchPatch, patch_torch
 from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
 from .optim import OptimizerOffloadPolicy
 from .optim.clip_grad import clip_grad_norm_
+from .optim.default_step import disable_flat_step, set_flat_step_default
 from .optim.local_shard_step import enable_local_shard_step
 from .optim.muon import Muon, MuonLoad
 
@@ -53,12 +54,14 @@ __all__ = [
     "OptimizerOffloadPolicy",
     "TorchPatch",
     "clip_grad_norm_",
+    "disable_flat_step",
     "enable_local_shard_step",
     "get_full_state_dict",
     "load_checkpoint",
     "load_latest",
     "patch_torch",
     "save_checkpoint",
+    "set_flat_step_default",
     "set_full_state_dict",
     "shard_model",
     "summon_full_params",

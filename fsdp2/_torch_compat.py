@@ -220,6 +220,21 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable[[torch.Tens
 
 
 
+def keep_step_hooks_innermost(optimizer: torch.optim.Optimizer, pre_id: int, post_id: int) -> None:
+    """Make the step pre-hook ``pre_id`` run last and the post-hook ``post_id`` first.
+
+    Reorders ``Optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``
+    (``OrderedDict``s keyed by ``RemovableHandle.id``; torch 2.0 - 2.15), so hooks
+    around a swap of the param groups' tensors never see the swapped-in ones.
+    """
+    pre = optimizer._optimizer_step_pre_hooks
+    if pre_id in pre and next(reversed(pre)) != pre_id:
+        pre.move_to_end(pre_id)
+    post = optimizer._optimizer_step_post_hooks
+    if post_id in post and next(iter(post)) != post_id:
+        post.move_to_end(post_id, last=False)
+
+
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are the dims of ``meshes`` (sub-meshes of one root), in order.
 

@@ -85,11 +85,15 @@ def _assert_same_state(got_opt, want_opt, where, exact=True):
 
 
 def _step_three_ways(rank, world_size, make, *, steps=3, shard_kw=None, mesh=None, accumulate=1,
-           clip=False, zero_to_none=True, scheduler=False, add_group=False, drop_grad=False):
+           clip=False, zero_to_none=True, scheduler=False, add_group=False, drop_grad=False,
+           default=False):
     """Flat-step model vs DTensor-step model vs unsharded reference on the same gradients.
 
     Not ``checks.train_steps``: three optimizers step in lockstep, the reference
     on the DTensor model's gradients (set, not computed), compared after each step.
+    ``default``: the flat model's optimizer steps flat by default, without
+    ``enable_local_shard_step``; the DTensor model's has the default switched off.
+    Returns (flat model, its optimizer, its engine).
     """
     ref = build_transformer(seed=5)
     flat, slow = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -101,7 +105,8 @@ def _step_three_ways(rank, world_size, make, *, steps=3, shard_kw=None, mesh=Non
         return g[:1] if add_group else g
 
     opts = [make(groups(m)) for m in (ref, flat, slow)]
-    handle = fsdp2.enable_local_shard_step(opts[1])
+    fsdp2.disable_flat_step(opts[2])
+    handle = None if default else fsdp2.enable_local_shard_step(opts[1])
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts] if scheduler else []
     for step in range(steps):
         if add_group and step == 1:
@@ -133,7 +138,9 @@ def _step_three_ways(rank, world_size, make, *, steps=3, shard_kw=None, mesh=Non
         _assert_same(ref, slow, f"step {step}: DTensor step vs unsharded", exact)
         _assert_same(ref, flat, f"step {step}: flat step vs unsharded", exact)
     _assert_same_state(opts[1], opts[2], "state", exact)
-    return flat, opts[1], handle
+    engine = fsdp2.optim.flat_step_engine(opts[1]) if default else handle.engine
+    assert engine is not None and engine.runs()
+    return flat, opts[1], engine
 
 
 def _case(name, **kw):
@@ -141,8 +148,8 @@ def _case(name, **kw):
 
 
 def _uses_flat_runs(rank, world_size):
-    flat, opt, handle = _step_three_ways(rank, world_size, OPTIMS["adamw"], steps=1)
-    runs = handle.engine.runs()
+    flat, opt, engine = _step_three_ways(rank, world_size, OPTIMS["adamw"], steps=1)
+    runs = engine.runs()
     # one run per (block or root) group and param group; no parameter left out
     assert runs and sum(len(r.params) for r in runs) == len(list(flat.parameters()))
     assert all(r.flat_steps == 1 for r in runs), [r.flat_steps for r in runs]
@@ -156,10 +163,10 @@ def _in_pieces(name, **kw):
     def case(rank, world_size):
         saved, flat_run.PIECE_NUMEL = flat_run.PIECE_NUMEL, 64
         try:
-            _, _, handle = _step_three_ways(rank, world_size, OPTIMS[name], **kw)
+            _, _, engine = _step_three_ways(rank, world_size, OPTIMS[name], **kw)
         finally:
             flat_run.PIECE_NUMEL = saved
-        runs = handle.engine.runs()
+        runs = engine.runs()
         assert any(len(r.pieces) > 1 for r in runs), "the model must have runs of several pieces"
         assert all(r.flat_steps > 0 for r in runs)
 
@@ -174,6 +181,7 @@ def _dcp_round_trip(rank, world_size, path):
     opt = OPTIMS["adamw"](_groups(model))
     fsdp2.enable_local_shard_step(opt)
     slow_opt = OPTIMS["adamw"](_groups(slow))
+    fsdp2.disable_flat_step(slow_opt)
     for m, o in ((model, opt), (slow, slow_opt)):
         msd, osd = get_state_dict(m, o)  # initializes the state (a step with lr 0)
         state = {"model": msd, "optim": osd}
@@ -217,6 +225,12 @@ CASES.update(
         "pieces-adam-amsgrad": _in_pieces("adam"),
         "pieces-sgd-foreach": _in_pieces("sgd-foreach", zero_to_none=False),
         "pieces-missing-grad": _in_pieces("adamw", drop_grad=True, steps=4),
+        # the same, stepped flat by default (no enable_local_shard_step)
+        "default-sgd": _case("sgd", default=True, scheduler=True),
+        "default-adamw-foreach": _case("adamw-foreach", default=True, zero_to_none=False, clip=True),
+        "default-add-param-group": _case("adam", default=True, add_group=True),
+        "default-missing-grad": _case("adamw", default=True, drop_grad=True, steps=4),
+        "default-accumulate": _case("rmsprop", default=True, accumulate=2),
     }
 )
 

@@ -49,6 +49,7 @@ def _local_step_body(rank, world_size):
         ref_opt, slow_opt, fast_opt = make(ref.parameters()), make(slow.parameters()), make(
             fast.parameters()
         )
+        fsdp2.disable_flat_step(slow_opt)  # the DTensor step, not the default flat one
         fsdp2.enable_local_shard_step(fast_opt)
         for step in range(3):
             batch = transformer_batch(step, 2 * world_size)

@@ -74,3 +74,18 @@ def test_local_tensor_attribute() -> None:
         assert torch.equal(local_tensor(dt), torch.arange(4.0))
     finally:
         dist.destroy_process_group()
+
+
+def test_optimizer_step_hook_dicts() -> None:
+    # Optimizer._optimizer_step_pre_hooks / _post_hooks are instance attributes: check them here.
+    from fsdp2._torch_compat import keep_step_hooks_innermost
+
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    order = []
+    mine = opt.register_step_pre_hook(lambda *a: order.append("mine-pre"))
+    opt.register_step_pre_hook(lambda *a: order.append("user-pre"))
+    opt.register_step_post_hook(lambda *a: order.append("user-post"))
+    mine_post = opt.register_step_post_hook(lambda *a: order.append("mine-post"))
+    keep_step_hooks_innermost(opt, mine.id, mine_post.id)
+    opt.step()
+    assert order == ["user-pre", "mine-pre", "mine-post", "user-post"]

@@ -20,6 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..api import OptimizerOffloadPolicy
+from .default_step import disable_flat_step
 from .step_engine import StepEngine
 
 __all__ = ["enable_local_shard_step"]
@@ -36,6 +37,8 @@ class LocalShardStepHandle:
     def __init__(self, engine: StepEngine, hooks: list[RemovableHandle]) -> None:
         self.engine = engine
         self._hooks = hooks
+        in_place = not engine.tier.in_units and engine.replicas is None
+        self._unwrap_zero_grad = engine.wrap_zero_grad() if in_place else None
 
     def wait_for_parameters(self) -> None:
         """``shard_across_replicas``: finish the post-step all-gathers; parameters are current."""
@@ -49,6 +52,9 @@ class LocalShardStepHandle:
         if self._hooks:
             self.engine.close()
         self._hooks = []
+        if self._unwrap_zero_grad is not None:
+            self._unwrap_zero_grad()
+            self._unwrap_zero_grad = None
 
 
 def enable_local_shard_step(
@@ -73,7 +79,10 @@ def enable_local_shard_step(
     runs on each group's flat shard buffer, a few kernels per run of
     parameters instead of per parameter (see [Note: Flat optimizer steps]);
     ``flat_buffers=False`` keeps the per-parameter local step.
-    The stepping itself is ``StepEngine`` in step_engine.py. Any other
+    The stepping itself is ``StepEngine`` in step_engine.py. Without this
+    call such an optimizer already steps on the flat buffers by default (see
+    [Note: The flat step by default] in default_step.py); this call replaces
+    that default, for its options. Any other
     optimizer, and parameters sharded by upstream's ``fully_shard``, step on
     each local shard.
 
@@ -110,6 +119,7 @@ def enable_local_shard_step(
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    disable_flat_step(optimizer)  # this engine replaces the default one
     engine = StepEngine(
         optimizer,
         flat_buffers=flat_buffers,

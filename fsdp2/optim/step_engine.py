@@ -21,6 +21,7 @@ Either way ``optimizer.state`` holds the views that state_views.py makes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ class StepEngine:
     ``flat_buffers``: cut groups into flat runs (elementwise optimizers only);
     ``offload``: ``None`` keeps the state in memory, else the host or disk tier
     it names (elementwise optimizers only; the parameters are planned now and
-    must not change).
+    must not change); ``flat_groups_only``: step only the param groups that are
+    wholly flat runs (every parameter in an fsdp2 flat buffer), the others as
+    the optimizer would without the engine (the default step, default_step.py).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class StepEngine:
         flat_buffers: bool,
         offload: OptimizerOffloadPolicy | None = None,
         shard_across_replicas: bool = False,
+        flat_groups_only: bool = False,
     ) -> None:
         if shard_across_replicas and (offload is not None or not flat_buffers):
             raise NotImplementedError(
@@ -80,6 +84,7 @@ class StepEngine:
                 "without offload=..."
             )
         self.optimizer = optimizer
+        self.flat_groups_only = flat_groups_only
         self.flat = flat_buffers and is_elementwise(optimizer)
         if flat_buffers and not self.flat:
             logger.debug(
@@ -99,6 +104,9 @@ class StepEngine:
         self.tier = open_tier(offload, [u.layout for u in self.units])
         self._swapped: list[_Swapped] = []
         self._held: list[list[Any]] = []
+        # the last in-memory step's runs whose gradients were views of one flat
+        # gradient: (param group, its run's parameters, their .grad objects, the flat gradient)
+        self._grad_views: list[tuple[dict, list, list, torch.Tensor]] = []
         if self.tier.in_units:
             self.after_load(optimizer)  # state the optimizer has already moves into the tier
 
@@ -114,6 +122,12 @@ class StepEngine:
     def runs(self) -> list[FlatRun]:
         """Every flat run planned so far."""
         return [run for plan in self.plans.values() for run in plan.runs]
+
+    def forget_runs(self) -> None:
+        """The optimizer stepped without the engine: each run rebuilds from its state next time."""
+        for run in self.runs():
+            run.forget()
+        self._grad_views = []
 
     # ---- the hooks ----------------------------------------------------------------
 
@@ -167,6 +181,7 @@ class StepEngine:
 
     def _swap_in(self, optimizer: torch.optim.Optimizer) -> None:
         state = optimizer.state
+        self._grad_views = []
         for gi, group in enumerate(optimizer.param_groups):
             params = group["params"]
             plan = self.plan_of(group)
@@ -175,20 +190,29 @@ class StepEngine:
             # runs are DTensors; their gradients are checked as they are gathered
             if not _all_local_steppable(plan.leftovers):
                 continue
+            grads = [run.flat_grad() for run in plan.runs]
+            if self.flat_groups_only and (
+                plan.leftovers
+                or not plan.runs
+                or not all(
+                    g is not None or _all_local_steppable(r.params) for r, g in zip(plan.runs, grads)
+                )
+            ):  # stepped by the optimizer as it is, on the DTensors
+                for run in plan.runs:
+                    run.forget()  # its state moves without the run (see FlatRun.adopt_state)
+                continue
             swapped = _Swapped(group, params)
             stand_ins: list[torch.Tensor] = []
             singles = list(plan.leftovers)
-            for run in plan.runs:
+            for run, grad in zip(plan.runs, grads):
                 sliced = self.replicas.sliced(run, gi) if self.replicas is not None else None
                 if sliced is not None:  # only this replica rank's slice of the run
-                    grad = run.flat_grad()
                     if grad is None:
                         self.replicas.check_leftovers([p for p in run.params if p.grad is not None])
                         continue
                     stand_ins += sliced.attach(state, grad)
                     swapped.sliced.append(sliced)
                     continue
-                grad = run.flat_grad()
                 if grad is None or not run.adopt_state(state):
                     # some gradients missing, or state the run cannot hold: one by one
                     # (which rewrites the per-parameter state, so the run rebuilds next time)
@@ -197,6 +221,8 @@ class StepEngine:
                     continue
                 stand_ins += run.attach(state, grad)
                 swapped.runs.append(run)
+                if run.grad_was_view:
+                    self._grad_views.append((group, run.params, [p.grad for p in run.params], grad))
             for p in singles:  # the per-parameter fallback
                 local = local_tensor(p).detach()
                 grad = p.grad
@@ -220,6 +246,62 @@ class StepEngine:
                     publish(state, p, state.pop(local))
             swapped.group["params"] = swapped.params
         self._swapped = []
+
+    # ---- zero_grad: one fill per flat gradient ------------------------------------
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Any, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad``: each flat gradient the last step used cleared at once.
+
+        Where a run's ``.grad`` objects are still the views of one flat gradient
+        the last step found, ``set_to_none=False`` is one ``zero_()`` of that
+        gradient (padding included, which is zero already) and ``set_to_none=True``
+        drops every view, so the flat gradient is freed at once. The other
+        parameters go to ``zero_grad`` (the optimizer's own), as without the engine.
+        """
+        cleared: dict[int, set[int]] = {}  # id(param group) -> ids of its cleared parameters
+        for group, params, grads, flat in self._grad_views:
+            if set_to_none:  # None whatever they hold now: no check (each .grad read costs
+                for p in params:  # a __torch_function__ round on a DTensor parameter)
+                    p.grad = None
+            elif all(p.grad is g for p, g in zip(params, grads)):
+                flat.zero_()
+            else:
+                continue
+            cleared.setdefault(id(group), set()).update(map(id, params))
+        if set_to_none:
+            self._grad_views = []  # holds no flat gradient alive
+        if not cleared:
+            zero_grad(set_to_none)
+            return
+        groups = optimizer.param_groups
+        held = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                mine = cleared.get(id(g))
+                if mine is None:
+                    continue
+                params = g["params"]
+                g["params"] = [p for p in params if id(p) not in mine] if len(mine) < len(params) else []
+            zero_grad(set_to_none)
+        finally:
+            for g, params in zip(groups, held):
+                g["params"] = params
+
+    def wrap_zero_grad(self) -> Callable[[], None]:
+        """Route ``optimizer.zero_grad`` through ``zero_grad`` above; returns the undo."""
+        optimizer = self.optimizer
+        own = optimizer.zero_grad  # the class's (or whatever stood there before)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            self.zero_grad(optimizer, own, set_to_none)
+
+        optimizer.zero_grad = zero_grad  # an instance attribute: never pickled (__getstate__)
+
+        def unwrap() -> None:
+            if optimizer.__dict__.get("zero_grad") is zero_grad:
+                del optimizer.__dict__["zero_grad"]
+
+        return unwrap
 
     # ---- in a store: unit by unit ---------------------------------------------------
 

@@ -1,0 +1,180 @@
+"""The flat optimizer step, on by default: no call from the user.
+
+[Note: The flat step by default]
+``enable_local_shard_step`` makes ``optimizer.step()`` run on fsdp2's flat
+shard buffers, but only a user who knows to call it gets that, and the stacks
+that run fsdp2 unedited (accelerate, torchtune, torchtitan, Lightning) never
+will. So importing fsdp2 registers one global optimizer step pre-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``). At an
+optimizer's first ``step()`` it decides, once: if the optimizer is one of
+torch's elementwise ones (``step_plan.is_elementwise``: its own class, not a
+subclass) and at least one param group holds only parameters in fsdp2 flat
+buffers, it attaches a ``StepEngine`` in ``flat_groups_only`` mode with its own
+pre- and post-hook on that optimizer. torch iterates the optimizer's own hooks
+after the global ones, so the engine's pre-hook already runs in that first
+step. Anything else (other optimizers, parameters sharded by upstream's
+``fully_shard`` or not sharded, groups that mix them) steps as the optimizer
+would without fsdp2, and costs one dictionary look-up per step.
+
+What stays as without the engine:
+
+- **User step hooks** see the DTensor parameters: before each step the
+  global hook keeps the engine's pre-hook last and its post-hook first among
+  the optimizer's own (``keep_step_hooks_innermost`` in _torch_compat.py).
+- **A ``closure``**, and any step while ``set_flat_step_default(False)`` is
+  in force, runs the optimizer's own step on the DTensors; the runs then
+  rebuild from the per-parameter state at their next flat step.
+- **Changed parameters** (``add_param_group``, a group's list edited, a
+  buffer re-allocated) are planned again at the next step (``GroupPlan.holds``);
+  a group that is no longer wholly flat steps as the optimizer would.
+- **``zero_grad``** (an instance attribute wrapping the optimizer's own):
+  where the last step found a run's gradients to be views of one flat
+  gradient, one ``zero_()`` of it (``set_to_none=False``) or dropping its
+  views (``True``, the flat gradient freed at once); the rest as torch does.
+- ``optimizer.state``, ``state_dict()``, ``load_state_dict()``, DCP,
+  ``torch.save`` and schedulers see what they see with
+  ``enable_local_shard_step`` (see [Note: Flat optimizer steps] in flat_run.py):
+  the same keys, types and values as the optimizer's own step.
+
+Switching it off: ``FSDP2_FLAT_STEP=0`` in the environment (read when an
+optimizer first steps), ``set_flat_step_default(False)`` for the process
+(from the next step on), or ``disable_flat_step(optimizer)`` for one
+optimizer. An explicit ``enable_local_shard_step(optimizer, ...)`` replaces
+the default for that optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from .._torch_compat import keep_step_hooks_innermost
+from ..runtime.flat_shard import flat_slot_of
+from .step_engine import StepEngine
+from .step_plan import is_elementwise
+
+__all__ = ["disable_flat_step", "flat_step_engine", "set_flat_step_default"]
+
+logger = logging.getLogger("fsdp2.optim.local_shard_step")  # the name users filter on
+
+ENV_VAR = "FSDP2_FLAT_STEP"
+_ATTR = "_fsdp2_flat_step"  # on the optimizer: its DefaultStep, or OFF (never pickled)
+OFF = "off"  # decided: the optimizer steps without the default engine
+_default_on: bool | None = None  # set_flat_step_default; None: the environment decides
+
+
+class DefaultStep:
+    """One optimizer's default engine and the hooks that run it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.engine = StepEngine(optimizer, flat_buffers=True, flat_groups_only=True)
+        self._stepping = False
+        self._hooks: list[RemovableHandle] = [
+            optimizer.register_step_pre_hook(self.before_step),
+            optimizer.register_step_post_hook(self.after_step),
+            optimizer.register_load_state_dict_post_hook(self.engine.after_load),
+        ]
+        self._unwrap_zero_grad = self.engine.wrap_zero_grad()
+
+    def keep_innermost(self, optimizer: torch.optim.Optimizer) -> None:
+        keep_step_hooks_innermost(optimizer, self._hooks[0].id, self._hooks[1].id)
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if _default_on is False or _has_closure(args, kwargs):
+            self.engine.forget_runs()  # the optimizer steps the DTensors; see the note
+            return
+        self._stepping = True
+        self.engine.before_step(optimizer, args, kwargs)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        if self._stepping:
+            self._stepping = False
+            self.engine.after_step(optimizer)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._unwrap_zero_grad()
+
+
+def set_flat_step_default(enabled: bool) -> None:
+    """Turn the flat optimizer step by default on or off for this process.
+
+    On (the default unless ``FSDP2_FLAT_STEP=0``): an elementwise
+    ``torch.optim`` optimizer over parameters sharded by fsdp2's
+    ``fully_shard`` steps on the groups' flat shard buffers, the same updates
+    bit for bit (see [Note: The flat step by default]). Off: every optimizer
+    steps on the DTensors as torch's does, from its next ``step()`` on
+    (``enable_local_shard_step`` still works). Overrides the environment variable.
+    """
+    global _default_on
+    _default_on = bool(enabled)
+
+
+def disable_flat_step(optimizer: torch.optim.Optimizer) -> None:
+    """Keep ``optimizer`` on its own step (on the DTensors), whatever the default says.
+
+    Removes the default engine if it was attached; its state stays where it is
+    (per-parameter DTensors), so nothing changes but the speed.
+    """
+    current = optimizer.__dict__.get(_ATTR)
+    if isinstance(current, DefaultStep):
+        current.remove()
+    optimizer.__dict__[_ATTR] = OFF
+
+
+def flat_step_engine(optimizer: torch.optim.Optimizer) -> StepEngine | None:
+    """The default ``StepEngine`` attached to ``optimizer`` (after its first step), or ``None``."""
+    current = optimizer.__dict__.get(_ATTR)
+    return current.engine if isinstance(current, DefaultStep) else None
+
+
+def _default_enabled() -> bool:
+    if _default_on is not None:
+        return _default_on
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _has_closure(args: tuple, kwargs: dict) -> bool:
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+
+
+def _wholly_flat(group: dict) -> bool:
+    params = group["params"]
+    return bool(params) and all(
+        isinstance(p, DTensor) and flat_slot_of(p) is not None for p in params
+    )
+
+
+def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """The global step pre-hook: decide once per optimizer, then keep its hooks innermost."""
+    current = optimizer.__dict__.get(_ATTR)
+    if current is None:
+        if not _default_enabled():
+            return  # undecided: a later switch-on still applies
+        if is_elementwise(optimizer) and any(_wholly_flat(g) for g in optimizer.param_groups):
+            current = DefaultStep(optimizer)
+            logger.debug("%s steps on fsdp2's flat buffers by default", type(optimizer).__name__)
+        else:
+            current = OFF
+        optimizer.__dict__[_ATTR] = current
+    if current is not OFF:
+        current.keep_innermost(optimizer)
+
+
+def install() -> None:
+    """Register the global step pre-hook once per process (importing fsdp2 does)."""
+    global _handle
+    if _handle is None:
+        _handle = register_optimizer_step_pre_hook(_on_any_step)
+
+
+_handle: RemovableHandle | None = None
+install()

@@ -1,0 +1,211 @@
+"""The flat optimizer step by default: a stock training loop, no fsdp2 call but fully_shard.
+
+An elementwise ``torch.optim`` optimizer over fsdp2-sharded parameters steps
+on the flat buffers from its first ``step()``, with upstream's bits; anything
+the flat path cannot take steps as torch does. See [Note: The flat step by
+default] in fsdp2/optim/default_step.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+from _impl import IMPL
+from checks import check_case
+from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
+from models import transformer_batch as batch_of
+from models import transformer_loss as loss_of
+from torch.distributed.tensor import DTensor
+
+import fsdp2
+from fsdp2.optim import flat_step_engine
+
+pytestmark = pytest.mark.skipif(IMPL == "torch", reason="fsdp2's own default (not in upstream)")
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _sharded_pair(shard):
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    ref = build_transformer(seed=5)
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    shard(ours, fsdp2.fully_shard)
+    shard(theirs, upstream_fully_shard)
+    return ours, theirs
+
+
+def _loop(models, opts, rank, world_size, steps, *, first=0, closure_at=(), to_none=True, scheds=()):
+    """The stock loop: forward, backward, step, (schedule), zero_grad; params equal after each step."""
+    for step in range(first, first + steps):
+        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
+        for m, o in zip(models, opts):
+            if step in closure_at:
+                o.step(lambda m=m, batch=batch: loss_of(m, batch).backward())
+            else:
+                loss_of(m, batch).backward()
+                o.step()
+            o.zero_grad(set_to_none=to_none)
+        for s in scheds:
+            s.step()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(full(p.detach()), full(q.detach())), f"step {step}: {name} differs"
+
+
+def _assert_same_state_dict(got_opt, want_opt):
+    got, want = got_opt.state_dict(), want_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for idx, state in want["state"].items():
+        assert list(got["state"][idx]) == list(state), idx
+        for key, value in state.items():
+            g = got["state"][idx][key]
+            assert type(g) is type(value), (idx, key)
+            if isinstance(value, DTensor):
+                assert g.placements == value.placements and torch.equal(g.to_local(), value.to_local())
+            else:
+                assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (idx, key)
+
+
+def _stock_loop_matches_upstream(rank, world_size):
+    ours, theirs = _sharded_pair(lambda m, fs: shard_transformer(m, fs, mesh=cpu_mesh()))
+    opts = [torch.optim.AdamW(_groups(m), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in opts]
+    _loop((ours, theirs), opts, rank, world_size, 3, scheds=scheds)
+    engine = flat_step_engine(opts[0])
+    assert engine is not None, "the default engine must attach at the first step"
+    runs = engine.runs()
+    assert runs and sum(len(r.params) for r in runs) == len(list(ours.parameters()))
+    assert all(r.flat_steps == 3 for r in runs), [r.flat_steps for r in runs]
+    assert flat_step_engine(opts[1]) is None  # upstream's parameters: torch's own step
+    _assert_same_state_dict(opts[0], opts[1])
+
+
+def _state_and_edits(rank, world_size):
+    """Hooks, closures, hyperparameter edits, add_param_group, switches, load_state_dict, torch.save."""
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    ref = build_transformer(seed=5)
+    flat, slow = copy.deepcopy(ref), copy.deepcopy(ref)
+    for m in (flat, slow):
+        shard_transformer(m, fsdp2.fully_shard, mesh=cpu_mesh())
+    groups = [_groups(m) for m in (flat, slow)]
+    opts = [torch.optim.Adam(g[:1], lr=1e-2, foreach=True) for g in groups]
+    fsdp2.disable_flat_step(opts[1])
+    seen = []
+
+    def check_params(opt, *args):
+        seen.append(all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]))
+
+    opts[0].register_step_pre_hook(check_params)
+    opts[0].register_step_post_hook(check_params)
+    _loop((flat, slow), opts, rank, world_size, 1)
+    assert flat_step_engine(opts[0]) is not None and flat_step_engine(opts[1]) is None
+    opts[0].register_step_pre_hook(check_params)  # registered after the engine's
+    opts[0].register_step_post_hook(check_params)
+    for o, g in zip(opts, groups):
+        o.add_param_group(g[1])
+        o.param_groups[0]["lr"] = 3e-3
+    _loop((flat, slow), opts, rank, world_size, 3, first=1, closure_at=(2,), to_none=False)
+    _assert_same_state_dict(opts[0], opts[1])
+    # load_state_dict of a torch.save round trip, then more steps
+    buffer = io.BytesIO()
+    torch.save(opts[1].state_dict(), buffer)
+    buffer.seek(0)
+    opts[0].load_state_dict(torch.load(buffer, weights_only=False))
+    fsdp2.set_flat_step_default(False)
+    try:
+        before = [r.flat_steps for r in flat_step_engine(opts[0]).runs()]
+        _loop((flat, slow), opts, rank, world_size, 1, first=4)
+        assert [r.flat_steps for r in flat_step_engine(opts[0]).runs()] == before
+    finally:
+        fsdp2.set_flat_step_default(True)
+    _loop((flat, slow), opts, rank, world_size, 2, first=5)
+    assert all(r.flat_steps > 0 for r in flat_step_engine(opts[0]).runs())
+    _assert_same_state_dict(opts[0], opts[1])
+    assert seen and all(seen), seen
+    # torch.save of the optimizer object itself: the hooks and the engine stay behind
+    assert "_fsdp2_flat_step" not in opts[0].__getstate__()
+    # neither upstream's parameters nor a subclass take the default
+    theirs = copy.deepcopy(ref)
+    shard_transformer(theirs, upstream_fully_shard, mesh=cpu_mesh())
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    others = [torch.optim.AdamW(theirs.parameters()), MyAdamW(slow.parameters())]
+    for o, m in zip(others, (theirs, slow)):
+        loss_of(m, rank_slice(batch_of(0, 2 * world_size), rank, world_size)).backward()
+        o.step()
+        o.zero_grad()
+        assert flat_step_engine(o) is None
+
+
+def _zero_grad_flat(rank, world_size):
+    """zero_grad clears each run's flat gradient at once: one fill, or every view dropped."""
+    model = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())
+    opt = torch.optim.AdamW(_groups(model), foreach=True)
+    for set_to_none in (False, True):
+        loss_of(model, rank_slice(batch_of(0, 2 * world_size), rank, world_size)).backward()
+        opt.step()
+        engine = flat_step_engine(opt)
+        views = list(engine._grad_views)
+        grads = [p.grad for p in model.parameters()]
+        if world_size > 1:  # the reduce-scatter output is each run's flat gradient
+            assert len(views) == len(engine.runs()), (len(views), len(engine.runs()))
+        flats = [weakref.ref(flat) for *_, flat in views]
+        del views
+        opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            assert all(p.grad is None for p in model.parameters())
+            assert all(ref() is None for ref in flats), "a flat gradient outlived zero_grad"
+        else:
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+            assert all(not full(g).any() and not g.requires_grad for g in grads)
+        del grads
+
+
+CASES = {
+    "stock-loop-matches-upstream": _stock_loop_matches_upstream,
+    "state-and-edits": _state_and_edits,
+    "zero-grad-flat": _zero_grad_flat,
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_flat_step(world_size, case, launch_cases):
+    """A stock loop steps flat from its first step, with upstream's bits and the same state."""
+    check_case(launch_cases(world_size, CASES), case)
+
+
+def test_env_var_switches_it_off():
+    """FSDP2_FLAT_STEP=0: no engine attaches (read when an optimizer first steps)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from _multiproc import run_ranks\n"
+        "def body(rank, world_size):\n"
+        "    import torch, fsdp2\n"
+        "    from models import build_transformer, cpu_mesh, shard_transformer, transformer_batch, transformer_loss\n"
+        "    m = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())\n"
+        "    o = torch.optim.AdamW(m.parameters())\n"
+        "    transformer_loss(m, transformer_batch(0, 2)).backward(); o.step()\n"
+        "    assert fsdp2.optim.flat_step_engine(o) is None\n"
+        "if __name__ == '__main__':\n"
+        "    run_ranks(body, 1)\n"
+    )
+    env = dict(os.environ, FSDP2_FLAT_STEP="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
