@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import local_tensor
 from ..api import OptimizerOffloadPolicy
+from ..file_tensors import MappedFiles
 from . import unit_step
 from .flat_run import FlatRun
 from .state_store import DiskStore, open_tier, release_free_heap
@@ -128,10 +129,14 @@ class StepEngine:
         """
         if not self.tier.in_units:
             return
-        state = optimizer.state
+        state, tier = optimizer.state, self.tier
+        in_place = None
+        if isinstance(tier, DiskStore):  # a DCP load may have written the files already
+            maps = MappedFiles.now()
+            in_place = lambda i: lambda j, k, v: maps.region(v) == tier.region(i, j, k)  # noqa: E731
         for i, unit in enumerate(self.units):
-            unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
-            unit_step.keep(unit, self.tier.release(i), state)
+            unit_step.load_unit(unit, tier.views(i), state, self.copies, in_place and in_place(i))
+            unit_step.keep(unit, tier.release(i), state)
         self.tier.wait()
 
     def close(self) -> None:
@@ -205,7 +210,7 @@ class StepEngine:
         tier.prefetch(0)
         for i, unit in enumerate(self.units):
             tier.prefetch(i + 1)
-            unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies)
+            unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies, tier.live.hold)
             unit_step.keep(unit, tier.release(i), state)
         if isinstance(tier, DiskStore):
             # What the units' kernels allocated (and the state a first step created in
