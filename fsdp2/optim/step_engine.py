@@ -82,9 +82,12 @@ class StepEngine:
         self.plans: dict[int, GroupPlan] = {}  # id(param group) -> its cut
         self.units: list[Unit] = []  # a store tier's units, made from the plans
         self.copies = False  # the host tier steps host copies of device parameters
+        if offload is not None and offload.tier == "host":
+            self.copies = unit_step.params_on_accelerator(optimizer)
+            if not self.copies:  # CPU ranks: the state already is in host memory, keep it in place
+                offload = None
         if offload is not None:  # planned once: the tier's layout depends on it
             groups = optimizer.param_groups
-            self.copies = offload.tier == "host" and unit_step.params_on_accelerator(optimizer)
             plans = [self.plan_of(g) for g in groups]
             self.units = plan_units(optimizer, plans, offload.unit_bytes, self.copies)
         self.tier = open_tier(offload, [u.layout for u in self.units])
