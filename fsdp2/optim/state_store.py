@@ -30,8 +30,12 @@ parameter-shaped state tensors in one contiguous region per dtype:
   (``posix_fallocate``), so a full disk fails before the first step, not in
   the middle of one.
 
-The files are working storage, never a checkpoint: ``save_checkpoint`` / DCP
-read the state through the mapped tensors like any other, and a new run
+What a unit works on (its mapped views, the state a first step creates
+before it moves in) is counted in ``live`` (``LiveBytes``) until freed: a few
+units, first step and loads included. The files are working storage, never a
+checkpoint: ``save_checkpoint`` reads the state past the mappings, a tensor
+at a time (see [Note: Streaming file-backed state] in
+checkpoint/streaming.py), and a new run
 rewrites the files before using them, so nothing a killed run left behind is
 ever read as state. Each rank's folder holds an ``OWNER`` claim (host, pid,
 the model's layout fingerprint): a second live job (or optimizer) on the same
