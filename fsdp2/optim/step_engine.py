@@ -214,12 +214,12 @@ class StepEngine:
         for i, unit in enumerate(self.units):
             tier.prefetch(i + 1)
             unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies, tier.live.hold)
+            if isinstance(tier, DiskStore):
+                # What the unit's kernels allocated (and the state a first step created
+                # before it moved to disk) is freed, but glibc keeps such blocks in its
+                # heap, resident, and they pile up unit after unit: hand them back now.
+                release_free_heap()
             unit_step.keep(unit, tier.release(i), state)
-        if isinstance(tier, DiskStore):
-            # What the units' kernels allocated (and the state a first step created in
-            # memory before it moved to disk) is freed; hand the heap the C allocator
-            # keeps for it back to the system, so host memory holds a few units only.
-            release_free_heap()
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []

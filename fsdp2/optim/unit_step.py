@@ -55,13 +55,15 @@ def step_unit(
     state: dict,
     copies: bool,
     hold: Callable[[torch.Tensor], None] | None = None,
-) -> None:
+) -> bool:
     """One unit's step on its tier's ``views``; what the step creates moves into the tier.
 
     ``copies``: the unit steps on the host copies in ``views`` and copies the
     parameters back. ``hold``: told of every state tensor the step created
     (a first step's), which lives only until it is copied into ``views``.
+    Returns whether the step created state (freed now, in the C heap).
     """
+    created = False
     group = optimizer.param_groups[unit.group]
     params, sub_state = [], {}
     for i, p in enumerate(unit.params):
@@ -76,7 +78,7 @@ def step_unit(
             }
         params.append((i, p, local, work))
     if not params:
-        return
+        return False
     hparams = {k: v for k, v in group.items() if k != "params"}
     cls = type(optimizer)
     step = cls([torch.zeros(1, requires_grad=True)], **ctor_args(cls, hparams))
@@ -88,6 +90,7 @@ def step_unit(
         new = step.state[work]
         for k in unit.keys[i]:
             if new[k] is not views[(i, k)]:  # created by this step: move it into the tier
+                created = True
                 if hold is not None:
                     hold(new[k])
                 views[(i, k)].copy_(new[k])
@@ -100,6 +103,7 @@ def step_unit(
     # views, would outlive the unit, all units' at once. Let them go now.
     step.state.clear()
     step.param_groups.clear()
+    return created
 
 
 def keep(unit: Unit, views: dict, state: dict) -> None:
