@@ -98,9 +98,8 @@ def step_unit(
         work.grad = None
         if copies:
             local.copy_(work, non_blocking=True)
-    # An optimizer sits in a reference cycle (its hooks, its patched step): left to
-    # the garbage collector, the state a first step created, and the unit's mapped
-    # views, would outlive the unit, all units' at once. Let them go now.
+    # The private optimizer may outlive this call (an optimizer can sit in a reference
+    # cycle, freed only by the garbage collector): drop its hold on the unit's tensors.
     step.state.clear()
     step.param_groups.clear()
     return created
