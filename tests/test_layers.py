@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("handles",),
     ("runtime",),  # the per-step engine
     ("api",),  # policies and plain values
-    ("errors", "versions", "_torch_compat", "agree", "claim_file"),  # leaves
+    ("errors", "versions", "_torch_compat", "agree", "claim_file", "file_tensors"),  # leaves
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -111,7 +111,10 @@ def _tiers_body(rank, world_size, tmp):
             with _params_seen_on_accelerator(copies):  # the host copies, forced on CPU
                 handle = fsdp2.enable_local_shard_step(opt, offload=policy)
             stepper = handle.engine
-            assert len(stepper.units) > 2, "the model must span several units"
+            if tier == "host" and not copies:  # CPU ranks: host memory already, state in place
+                assert not stepper.tier.in_units and stepper.units == []
+            else:
+                assert len(stepper.units) > 2, "the model must span several units"
             _train_accumulating(model, opt, rank, world_size, 4)
             _assert_same(model, opt, ref, ref_opt, f"{kind}/{tier}/copies={copies}")
             if tier == "nvme":
@@ -161,6 +164,21 @@ def _one_cut_body(rank, world_size, tmp):
     assert no_units == [] and not ref_handle.engine.tier.in_units  # one call over all runs
     assert runs and sum(map(len, runs)) == len(names), "every parameter in a flat run"
     run_of = {name: i for i, run in enumerate(runs) for name in run}
+    host, *stores = stores  # on CPU ranks the host tier keeps the state in place: in memory
+    assert host[4] == [] and not host[2].engine.tier.in_units and host[3] == runs
+    _assert_same(host[0], host[1], ref, ref_opt, "host tier on CPU")
+    host[2].remove()
+    with _params_seen_on_accelerator(True):  # the host tier's units, as on a GPU rank
+        model = build_transformer(seed=5)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        policy = OptimizerOffloadPolicy(tier="host", unit_bytes=512)
+        handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+    _train_accumulating(model, opt, rank, world_size, 2)
+    named = {p: n for n, p in model.named_parameters()}
+    host_units = [[named[p] for p in u.params] for u in handle.engine.units]
+    stores.insert(0, (model, opt, handle, [[named[p] for p in r.params] for r in handle.engine.runs()],
+                      host_units))
     for model, opt, handle, store_runs, units in stores:
         where = type(handle.engine.tier).__name__
         assert store_runs == runs, f"{where}: another cut than in memory"
@@ -169,7 +187,8 @@ def _one_cut_body(rank, world_size, tmp):
         assert all(len({run_of[n] for n in u}) == 1 for u in units), f"{where}: a unit spans runs"
         _assert_same(model, opt, ref, ref_opt, where)
         handle.remove()
-    assert stores[0][4] == stores[1][4], "host and disk tiers hold different units"
+    host_cut = [n for u in stores[0][4] for n in u]
+    assert host_cut == [n for u in stores[1][4] for n in u], "host and disk tiers order units apart"
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -314,7 +333,7 @@ def test_bad_policies_and_optimizers(tmp_path):
     with pytest.raises(ValueError, match="elementwise optimizer"):
         fsdp2.enable_local_shard_step(lbfgs, offload=OptimizerOffloadPolicy())
     opt = torch.optim.AdamW(_params().parameters())
-    fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy())
+    fsdp2.enable_local_shard_step(opt, offload=OptimizerOffloadPolicy("nvme", tmp_path))
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: torch.tensor(0.0))
 

@@ -106,32 +106,38 @@ def submit(job: Callable[[], Any]) -> SaveFuture:
     return future
 
 
-def stage(state: Any) -> Any:
-    """A copy of ``state`` that training may not touch: tensors on the host, containers new."""
+def stage(state: Any, file_backed: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> Any:
+    """A copy of ``state`` that training may not touch: tensors on the host, containers new.
+
+    ``file_backed``: stages a host tensor that lives in a file off the heap
+    (returns ``None`` for the others; see [Note: Streaming file-backed state]
+    in streaming.py).
+    """
     devices: set[torch.device] = set()
-    copied = _copy(state, (), devices)
+    copied = _copy(state, (), devices, file_backed)
     for device in devices:  # the non-blocking device-to-host copies have landed
         torch.cuda.synchronize(device)
     return copied
 
 
-def _copy(value: Any, path: tuple, devices: set) -> Any:
+def _copy(value: Any, path: tuple, devices: set, file_backed: Any) -> Any:
     if isinstance(value, DTensor):
-        return dtensor_like(value, _host_copy(value.to_local(), path, devices))
+        return dtensor_like(value, _host_copy(value.to_local(), path, devices, file_backed))
     if isinstance(value, torch.Tensor):
-        return _host_copy(value, path, devices)
+        return _host_copy(value, path, devices, file_backed)
     if isinstance(value, dict):
-        return {k: _copy(v, (*path, k), devices) for k, v in value.items()}
+        return {k: _copy(v, (*path, k), devices, file_backed) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_copy(v, (*path, i), devices) for i, v in enumerate(value)]
+        items = [_copy(v, (*path, i), devices, file_backed) for i, v in enumerate(value)]
         return items if isinstance(value, list) else type(value)(items)
     return value  # numbers, strings: immutable
 
 
-def _host_copy(tensor: torch.Tensor, path: tuple, devices: set) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, path: tuple, devices: set, file_backed: Any) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type == "cpu":
-        return tensor.clone()
+        staged = file_backed(tensor) if file_backed is not None else None
+        return tensor.clone() if staged is None else staged
     if tensor.device.type != "cuda":  # no pinned memory to reuse: a plain copy
         return tensor.to("cpu")
     buf = _pinned.get(path)

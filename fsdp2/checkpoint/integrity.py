@@ -24,7 +24,6 @@ fsdp2 recorded checksums: it loads as before, checked for its metadata only.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import zlib
@@ -43,13 +42,23 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 def checksum(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of the file at ``path`` (mapped, not copied: zlib reads the page cache)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return 0, 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return size, zlib.crc32(mapped)
+    """``(size, crc32)`` of the file at ``path``, read in chunks.
+
+    Chunks, not one mapping of the file: every page of a mapping zlib reads
+    stays resident while it is mapped, so a whole checkpoint file would be
+    in memory at the end of each save.
+    """
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    crc = size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+_CHUNK = 8 << 20
 
 
 def written_by(folder: Path, rank: int) -> dict[str, list[int]]:

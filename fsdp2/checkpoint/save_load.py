@@ -128,9 +128,24 @@ def save_checkpoint(
     if not async_save:
         _write(state, final, keep, None, checksums)
         return None
+    from .streaming import Snapshot
+
     group = background_group()
-    staged = stage(state)
-    return submit(lambda: _write(staged, final, keep, group, checksums))
+    snapshot = Snapshot()  # file-backed state is staged on its disk, not in host memory
+    try:
+        staged = stage(state, snapshot.copy)
+    except BaseException:
+        snapshot.close()
+        raise
+    del state
+
+    def job() -> str:
+        try:
+            return _write(staged, final, keep, group, checksums)
+        finally:
+            snapshot.close()
+
+    return submit(job)
 
 
 def load_latest(
@@ -221,6 +236,8 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    from .streaming import StreamingLoadPlanner
+
     wait_pending()
     path = Path(checkpoint_id)
     saved = _checked_metadata(path, verify)
@@ -246,7 +263,8 @@ def load_checkpoint(
                 f"load_checkpoint: {os.fspath(checkpoint_id)} does not match the "
                 "model/optimizer; nothing was loaded.\n  " + "\n  ".join(problems)
             )
-        _dcp_call("load_checkpoint: reading", path, lambda: dcp.load(state, checkpoint_id=path))
+        _dcp_call("load_checkpoint: reading", path, lambda: dcp.load(state, checkpoint_id=path,
+                                                                    planner=StreamingLoadPlanner()))
     except BaseException:
         if fresh:
             optim.state.clear()  # leave the optimizer as it was
@@ -289,6 +307,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
     """Every rank writes ``state`` into ``final``'s partial folder; rank 0 commits it."""
     import torch.distributed.checkpoint as dcp
 
+    from .streaming import StreamingSavePlanner
+
     partial = partial_dir(final)
 
     def cleanup() -> None:
@@ -297,7 +317,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
               error_type=CheckpointError)
 
     _dcp_call(f"save_checkpoint: writing {final}", final,
-              lambda: dcp.save(state, checkpoint_id=partial, process_group=group),
+              lambda: dcp.save(state, checkpoint_id=partial, process_group=group,
+                                       planner=StreamingSavePlanner()),
               cleanup, _WRITE_HINT)
     entries: dict[str, list[int]] = {}
     if checksums:  # each rank hashes its own files, still in the page cache

@@ -30,8 +30,12 @@ parameter-shaped state tensors in one contiguous region per dtype:
   (``posix_fallocate``), so a full disk fails before the first step, not in
   the middle of one.
 
-The files are working storage, never a checkpoint: ``save_checkpoint`` / DCP
-read the state through the mapped tensors like any other, and a new run
+What a unit works on (its mapped views, the state a first step creates
+before it moves in) is counted in ``live`` (``LiveBytes``) until freed: a few
+units, first step and loads included. The files are working storage, never a
+checkpoint: ``save_checkpoint`` reads the state past the mappings, a tensor
+at a time (see [Note: Streaming file-backed state] in
+checkpoint/streaming.py), and a new run
 rewrites the files before using them, so nothing a killed run left behind is
 ever read as state. Each rank's folder holds an ``OWNER`` claim (host, pid,
 the model's layout fingerprint): a second live job (or optimizer) on the same
@@ -48,6 +52,7 @@ import hashlib
 import os
 import threading
 import uuid
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,9 +65,11 @@ import torch.distributed as dist
 from ..agree import agree
 from ..api import OptimizerOffloadPolicy
 from ..claim_file import ClaimFile, Owner, OwnerStatus
+from ..file_tensors import FileRegion
 
 __all__ = [
-    "DiskStore", "HostStore", "MemoryTier", "Slot", "StateTier", "StoreError", "UnitLayout",
+    "DiskStore", "HostStore", "LiveBytes", "MemoryTier", "Slot", "StateTier", "StoreError",
+    "UnitLayout",
     "open_tier", "release_free_heap",
 ]
 
@@ -116,6 +123,38 @@ def fingerprint(layouts: list[UnitLayout]) -> str:
     """A digest of every unit's slots: the same model and optimizer give the same one."""
     text = repr([[(s.param, s.key, str(s.dtype), s.shape) for s in u.slots] for u in layouts])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class LiveBytes:
+    """Bytes of state tensors a store handed out for work and that are still alive, and their peak.
+
+    The store's own instrument of [Note: Optimizer state tiers]: every tensor
+    a unit works on (a unit's mapped views while it steps or loads, the state a
+    first step creates before it moves into the store) is ``hold``-ed and
+    counted until Python frees it, so a test can assert that host memory
+    holds a few units at once, never the model's state.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s bytes until it is freed."""
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(tensor, self._drop, nbytes)
+
+    def _drop(self, nbytes: int) -> None:
+        with self._lock:
+            self.now -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.now
 
 
 def _views(regions: dict[torch.dtype, torch.Tensor], layout: UnitLayout) -> dict[tuple[int, str], torch.Tensor]:
@@ -196,6 +235,7 @@ class HostStore:
             for layout in layouts
         ]
         self._layouts = layouts
+        self.live = LiveBytes()  # counts only what a first step creates: the regions are resident
 
     def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         return _views(self._regions[unit], self._layouts[unit])
@@ -235,6 +275,7 @@ class DiskStore:
         self._in_flight = in_flight
         self._pending: deque[Future] = deque()
         self._lock = threading.Lock()
+        self.live = LiveBytes()
 
     # ---- the claim: one job per folder ------------------------------------------
 
@@ -307,12 +348,25 @@ class DiskStore:
     # ---- stepping ---------------------------------------------------------------
 
     def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """Fresh mappings of ``unit``'s files to work on (counted in ``live``)."""
+        views = self._map(unit)
+        for v in views.values():
+            self.live.hold(v)
+        return views
+
+    def _map(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         """Fresh mappings of ``unit``'s files: no memory until touched."""
         regions = {
             dt: torch.from_file(str(path), shared=True, size=self._layouts[unit].numel[dt], dtype=dt)
             for dt, path in self._paths[unit].items()
         }
         return _views(regions, self._layouts[unit])
+
+    def region(self, unit: int, param: int, key: str) -> FileRegion:
+        """Where the state tensor ``key`` of ``unit``'s parameter ``param`` lies in its file."""
+        slot = next(s for s in self._layouts[unit].slots if s.param == param and s.key == key)
+        size = slot.dtype.itemsize
+        return FileRegion(str(self._paths[unit][slot.dtype]), slot.offset * size, slot.numel * size)
 
     def prefetch(self, unit: int) -> None:
         """Ask the kernel to start reading ``unit``'s files."""
@@ -326,7 +380,7 @@ class DiskStore:
 
     def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         """``unit`` stepped: write its pages back behind us; returns fresh mappings to keep."""
-        fresh = self.views(unit)
+        fresh = self._map(unit)
         with self._lock:
             while len(self._pending) >= self._in_flight:
                 self._pending.popleft().result()

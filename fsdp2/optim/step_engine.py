@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import local_tensor
 from ..api import OptimizerOffloadPolicy
+from ..file_tensors import MappedFiles
 from . import unit_step
 from .flat_run import FlatRun
 from .replica_sharded_step import ReplicaShardedStep, SlicedRun
@@ -96,9 +97,12 @@ class StepEngine:
         self.plans: dict[int, GroupPlan] = {}  # id(param group) -> its cut
         self.units: list[Unit] = []  # a store tier's units, made from the plans
         self.copies = False  # the host tier steps host copies of device parameters
+        if offload is not None and offload.tier == "host":
+            self.copies = unit_step.params_on_accelerator(optimizer)
+            if not self.copies:  # CPU ranks: the state already is in host memory, keep it in place
+                offload = None
         if offload is not None:  # planned once: the tier's layout depends on it
             groups = optimizer.param_groups
-            self.copies = offload.tier == "host" and unit_step.params_on_accelerator(optimizer)
             plans = [self.plan_of(g) for g in groups]
             self.units = plan_units(optimizer, plans, offload.unit_bytes, self.copies)
         self.tier = open_tier(offload, [u.layout for u in self.units])
@@ -156,10 +160,14 @@ class StepEngine:
         """
         if not self.tier.in_units:
             return
-        state = optimizer.state
+        state, tier = optimizer.state, self.tier
+        in_place = None
+        if isinstance(tier, DiskStore):  # a DCP load may have written the files already
+            maps = MappedFiles.now()
+            in_place = lambda i: lambda j, k, v: maps.region(v) == tier.region(i, j, k)  # noqa: E731
         for i, unit in enumerate(self.units):
-            unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
-            unit_step.keep(unit, self.tier.release(i), state)
+            unit_step.load_unit(unit, tier.views(i), state, self.copies, in_place and in_place(i))
+            unit_step.keep(unit, tier.release(i), state)
         self.tier.wait()
 
     def close(self) -> None:
@@ -316,13 +324,13 @@ class StepEngine:
         tier.prefetch(0)
         for i, unit in enumerate(self.units):
             tier.prefetch(i + 1)
-            unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies)
+            unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies, tier.live.hold)
+            if isinstance(tier, DiskStore):
+                # What the unit's kernels allocated (and the state a first step created
+                # before it moved to disk) is freed, but glibc keeps such blocks in its
+                # heap, resident, and they pile up unit after unit: hand them back now.
+                release_free_heap()
             unit_step.keep(unit, tier.release(i), state)
-        if isinstance(tier, DiskStore):
-            # What the units' kernels allocated (and the state a first step created in
-            # memory before it moved to disk) is freed; hand the heap the C allocator
-            # keeps for it back to the system, so host memory holds a few units only.
-            release_free_heap()
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []

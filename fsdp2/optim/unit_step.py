@@ -32,6 +32,8 @@ on CPU by standing in for ``params_on_accelerator``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .state_views import local_of, publish
@@ -47,13 +49,21 @@ def params_on_accelerator(optimizer: torch.optim.Optimizer) -> bool:
 
 @torch.no_grad()
 def step_unit(
-    optimizer: torch.optim.Optimizer, unit: Unit, views: dict, state: dict, copies: bool
-) -> None:
+    optimizer: torch.optim.Optimizer,
+    unit: Unit,
+    views: dict,
+    state: dict,
+    copies: bool,
+    hold: Callable[[torch.Tensor], None] | None = None,
+) -> bool:
     """One unit's step on its tier's ``views``; what the step creates moves into the tier.
 
     ``copies``: the unit steps on the host copies in ``views`` and copies the
-    parameters back.
+    parameters back. ``hold``: told of every state tensor the step created
+    (a first step's), which lives only until it is copied into ``views``.
+    Returns whether the step created state (freed now, in the C heap).
     """
+    created = False
     group = optimizer.param_groups[unit.group]
     params, sub_state = [], {}
     for i, p in enumerate(unit.params):
@@ -68,7 +78,7 @@ def step_unit(
             }
         params.append((i, p, local, work))
     if not params:
-        return
+        return False
     hparams = {k: v for k, v in group.items() if k != "params"}
     cls = type(optimizer)
     step = cls([torch.zeros(1, requires_grad=True)], **ctor_args(cls, hparams))
@@ -80,11 +90,19 @@ def step_unit(
         new = step.state[work]
         for k in unit.keys[i]:
             if new[k] is not views[(i, k)]:  # created by this step: move it into the tier
+                created = True
+                if hold is not None:
+                    hold(new[k])
                 views[(i, k)].copy_(new[k])
         state[p] = {k: (views[(i, k)] if k in unit.keys[i] else v) for k, v in new.items()}
         work.grad = None
         if copies:
             local.copy_(work, non_blocking=True)
+    # The private optimizer may outlive this call (an optimizer can sit in a reference
+    # cycle, freed only by the garbage collector): drop its hold on the unit's tensors.
+    step.state.clear()
+    step.param_groups.clear()
+    return created
 
 
 def keep(unit: Unit, views: dict, state: dict) -> None:
@@ -97,11 +115,24 @@ def keep(unit: Unit, views: dict, state: dict) -> None:
 
 
 @torch.no_grad()
-def load_unit(unit: Unit, views: dict, state: dict, copies: bool) -> None:
-    """Copy whatever ``state`` holds for the unit (a load, an earlier step) into ``views``."""
+def load_unit(
+    unit: Unit,
+    views: dict,
+    state: dict,
+    copies: bool,
+    in_place: Callable[[int, str, torch.Tensor], bool] | None = None,
+) -> None:
+    """Copy whatever ``state`` holds for the unit (a load, an earlier step) into ``views``.
+
+    ``in_place(param, key, value)``: whether ``value`` already is the bytes
+    the view holds (a DCP load wrote them into the files): not copied, so
+    neither side is paged in.
+    """
     for j, p in enumerate(unit.params):
         for k in unit.keys[j] if p in state else ():
             if k in state[p]:
-                views[(j, k)].copy_(local_of(state[p][k]))
+                value = local_of(state[p][k])
+                if in_place is None or not in_place(j, k, value):
+                    views[(j, k)].copy_(value)
         if copies:  # the host copy the unit steps on
             views[(j, PARAM_COPY)].copy_(local_of(p))
