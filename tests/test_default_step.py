@@ -176,10 +176,20 @@ def _zero_grad_flat(rank, world_size):
         del grads
 
 
+def _switched_on(body):
+    """``body`` with the default switched on in its rank process (it is opt-in for now)."""
+
+    def case(rank, world_size):
+        fsdp2.set_flat_step_default(True)
+        return body(rank, world_size)
+
+    return case
+
+
 CASES = {
-    "stock-loop-matches-upstream": _stock_loop_matches_upstream,
-    "state-and-edits": _state_and_edits,
-    "zero-grad-flat": _zero_grad_flat,
+    "stock-loop-matches-upstream": _switched_on(_stock_loop_matches_upstream),
+    "state-and-edits": _switched_on(_state_and_edits),
+    "zero-grad-flat": _switched_on(_zero_grad_flat),
 }
 
 
@@ -190,8 +200,9 @@ def test_default_flat_step(world_size, case, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
 
 
-def test_env_var_switches_it_off():
-    """FSDP2_FLAT_STEP=0: no engine attaches (read when an optimizer first steps)."""
+@pytest.mark.parametrize("value", ["0", "1", None])
+def test_env_var_switches_it(value):
+    """FSDP2_FLAT_STEP=1: the engine attaches at the first step; =0 or unset: none (opt-in)."""
     code = (
         "import sys; sys.path.insert(0, 'tests')\n"
         "from _multiproc import run_ranks\n"
@@ -201,11 +212,13 @@ def test_env_var_switches_it_off():
         "    m = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())\n"
         "    o = torch.optim.AdamW(m.parameters())\n"
         "    transformer_loss(m, transformer_batch(0, 2)).backward(); o.step()\n"
-        "    assert fsdp2.optim.flat_step_engine(o) is None\n"
+        f"    assert (fsdp2.optim.flat_step_engine(o) is not None) == {value == '1'}\n"
         "if __name__ == '__main__':\n"
         "    run_ranks(body, 1)\n"
     )
-    env = dict(os.environ, FSDP2_FLAT_STEP="0")
+    env = {k: v for k, v in os.environ.items() if k != "FSDP2_FLAT_STEP"}
+    if value is not None:
+        env["FSDP2_FLAT_STEP"] = value
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
