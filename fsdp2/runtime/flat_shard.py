@@ -37,6 +37,7 @@ makes every parameter a view of its slot.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -216,14 +217,18 @@ class FlatSlot(NamedTuple):
 # with swapping) refuses tensors that have one. ``flat_slot_of`` checks the parameter is
 # still the slot's, so a reused id never matches.
 _SLOTS: dict[int, tuple[weakref.ref, int]] = {}
+# Torch's threaded process group runs every rank as a thread of one process: they
+# register their groups at once, so changes to the registry are serialized.
+_SLOTS_LOCK = threading.Lock()
 
 
 def _register_slots(flat: FlatShard) -> None:
-    for key in [k for k, (ref, _) in _SLOTS.items() if ref() is None]:
-        del _SLOTS[key]  # groups that are gone
     ref = weakref.ref(flat)
-    for i, p in enumerate(flat.fsdp_params):
-        _SLOTS[id(p.sharded_param)] = (ref, i)
+    with _SLOTS_LOCK:
+        for key in [k for k, (old, _) in list(_SLOTS.items()) if old() is None]:
+            del _SLOTS[key]  # groups that are gone
+        for i, p in enumerate(flat.fsdp_params):
+            _SLOTS[id(p.sharded_param)] = (ref, i)
 
 
 def flat_shard_of(param: torch.Tensor) -> FlatShard | None:
