@@ -4,13 +4,7 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from .api import (
-    CPUOffloadPolicy,
-    DataParallelMeshDims,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    ShardPlacementResult,
-)
+from . import api
 from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
 from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint
@@ -27,6 +21,11 @@ from .optim.clip_grad import clip_grad_norm_
 from .optim.default_step import disable_flat_step, set_flat_step_default
 from .optim.local_shard_step import enable_local_shard_step
 from .optim.muon import Muon, MuonLoad
+
+# Plain values users pass to fully_shard: its policies, and where parameters are sharded.
+CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy = (
+    api.CPUOffloadPolicy, api.MixedPrecisionPolicy, api.OffloadPolicy)
+DataParallelMeshDims, ShardPlacementResult = api.DataParallelMeshDims, api.ShardPlacementResult
 
 __all__ = [
     # torch.distributed.fsdp's public API, same names and signatures
