@@ -65,7 +65,7 @@ def make_opts(ref, model, lr=1e-2):
 
 def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, mean=True,
                 record=None, micro_batches=1, after_backward=None, after_step=None,
-                set_to_none=True):
+                set_to_none=True, accumulate_with="set_requires_gradient_sync"):
     """The tests' training loop: one optimizer step per batch; (reference losses, losses).
 
     ``model`` trains on rank ``rank``'s slice of each batch (``rank=None``: on the
@@ -79,7 +79,9 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
 
     ``micro_batches``: each batch is cut into that many micro-batches, their
     gradients accumulated with the model's gradient sync off but for the last
-    (``set_requires_gradient_sync``), each loss scaled by ``1 / micro_batches``.
+    (``set_requires_gradient_sync``, or the ``FSDPModule`` setter named by
+    ``accumulate_with``, e.g. ``"set_requires_all_reduce"``), each loss scaled by
+    ``1 / micro_batches``.
     ``after_backward()`` runs after the step's backwards (e.g. a manual
     ``finalize_backward``, clipping), ``after_step()`` after the optimizer steps
     (a scheduler's step). ``set_to_none``: ``zero_grad``'s argument, or a function
@@ -106,7 +108,7 @@ def train_steps(ref, model, batches, loss_fn, rank, world_size, opts=None, *, me
         with record() if record is not None else contextlib.nullcontext() as recorded:
             for m, part in enumerate(micro):
                 if micro_batches > 1:
-                    model.set_requires_gradient_sync(m == micro_batches - 1)
+                    getattr(model, accumulate_with)(m == micro_batches - 1)
                 part = part if rank is None else rank_slice(part, rank, world_size)
                 part_loss = loss_fn(model, part)
                 part_loss = part_loss * scale if micro_batches > 1 else part_loss

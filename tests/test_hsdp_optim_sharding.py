@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fully_shard
-from checks import check_case, record_collectives
+from _threaded import run_threads
+from checks import check_case, record_collectives, train_alone
 from models import build_transformer, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
@@ -30,8 +31,8 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 
 OPTIMS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
 }
 STEPS = 3
 
@@ -40,29 +41,30 @@ def _mesh(replicate: int = 2, shard: int = 2):
     return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def _pair(seed: int, mesh, make, **opt_kw):
-    """(plain model, its optimizer, its handle), the same for the option."""
-    base = build_transformer(seed=seed)
+def _pair(base, mesh, make, *, mp_policy=None, **opt_kw):
+    """(plain model, its optimizer, its handle), the same for the option.
+
+    ``base``: a seed, or a model to copy (thread ranks share the default RNG).
+    """
+    if isinstance(base, int):
+        base = build_transformer(seed=base)
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     out = []
     for sharded in (False, True):
-        model = shard_transformer(copy.deepcopy(base), fully_shard, mesh=mesh)
-        optim = make(model.parameters())
+        model = shard_transformer(copy.deepcopy(base), fully_shard, mesh=mesh, **kwargs)
+        optim = make(model)
         handle = fsdp2.enable_local_shard_step(optim, shard_across_replicas=sharded, **opt_kw)
         out.append((model, optim, handle))
     return out
 
 
-def _train(model, optim, rank, world_size, steps, *, micro=1, clip=None, first=0):
-    for step in range(first, first + steps):
-        batch = batch_of(step, 2 * world_size * micro)
-        for m in range(micro):
-            part = tuple(t.chunk(micro)[m] for t in batch)
-            model.set_requires_gradient_sync(m == micro - 1)
-            loss_of(model, rank_slice(part, rank, world_size)).backward()
-        if clip is not None:
-            fsdp2.clip_grad_norm_(model.parameters(), clip)
-        optim.step()
-        optim.zero_grad()
+def _train(model, optim, rank, world_size, steps, *, micro=1, clip=None, first=0, **options):
+    """``checks.train_alone`` on the tests' transformer batches (2 rows per rank and micro-batch)."""
+    batches = [batch_of(step, 2 * world_size * micro) for step in range(first, first + steps)]
+    if clip is not None:
+        options["after_backward"] = lambda: fsdp2.clip_grad_norm_(model.parameters(), clip)
+    train_alone(model, batches, loss_of, rank, world_size, optim, mean=False,
+                micro_batches=micro, **options)
 
 
 def _fulls(model, handle):
@@ -78,33 +80,79 @@ def _assert_equal(a: dict, b: dict, exact: bool = True):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _state_numel(optim) -> int:
-    """Elements of parameter-shaped state this rank holds (slices included)."""
+def _state_numel(optim, handle=None) -> int:
+    """Elements of parameter-shaped state this rank holds (the option's slices included)."""
     total = 0
     for values in optim.state.values():
         for v in values.values():
             if torch.is_tensor(v) and v.dim():
                 total += (v.to_local() if isinstance(v, DTensor) else v).numel()
-    handle_runs = getattr(optim, "_test_replicas", None)
-    if handle_runs is not None:
-        for r in handle_runs.runs.values():
+    if handle is not None and handle.engine.replicas is not None:
+        for r in handle.engine.replicas.runs.values():
             total += sum(v.numel() for v in r.state.values() if torch.is_tensor(v) and v.dim())
     return total
 
 
+def _check_parity(rank, world_size, base, shape, make, *, exact=True, **pair_kw):
+    """Train plain HSDP and the option on a ``shape`` mesh; compare; the state is 1/R."""
+    (plain, p_opt, p_h), (model, opt, h) = _pair(base, _mesh(*shape), make, **pair_kw)
+    _train(plain, p_opt, rank, world_size, STEPS)
+    _train(model, opt, rank, world_size, STEPS)
+    _assert_equal(_fulls(plain, p_h), _fulls(model, h), exact=exact)
+    # slices of ceil(N / R) elements: at most a few elements per group above 1/R
+    replicas = shape[0]
+    mine, theirs = _state_numel(opt, h), _state_numel(p_opt)
+    assert mine <= theirs // replicas + 64 * len(list(model.modules())), (mine, theirs)
+    assert mine < theirs, (mine, theirs)
+
+
 def _parity(name):
     def case(rank, world_size):
-        mesh = _mesh()
-        (plain, p_opt, p_h), (model, opt, h) = _pair(11, mesh, OPTIMS[name])
-        _train(plain, p_opt, rank, world_size, STEPS)
-        _train(model, opt, rank, world_size, STEPS)
-        _assert_equal(_fulls(plain, p_h), _fulls(model, h))
-        # the state per rank: about 1/R of plain HSDP's (slices of ceil(N / R))
-        opt._test_replicas = h.engine.replicas
-        mine, theirs = _state_numel(opt), _state_numel(p_opt)
-        assert mine <= theirs // 2 + 64 * len(list(model.modules())), (mine, theirs)
-        assert mine < theirs, (mine, theirs)
+        _check_parity(rank, world_size, 11, (2, 2), OPTIMS[name])
     return case
+
+
+def _parity_four_replicas(rank, world_size):
+    """R = 4 (a 4 x 1 mesh): gloo's reduce-scatter may sum in another order than its all-reduce."""
+    _check_parity(rank, world_size, 18, (4, 1), OPTIMS["adamw"], exact=False)
+
+
+def _mixed_precision(rank, world_size):
+    """bf16 parameters for compute, fp32 reductions: the fp32 slices step as plain HSDP's."""
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _check_parity(rank, world_size, 19, (2, 2), OPTIMS["adamw"], mp_policy=mp)
+
+
+def _groups_and_schedulers(rank, world_size):
+    """Two param groups, add_param_group after the first step, a StepLR: bit-identical."""
+
+    def make(model):
+        blocks = [p for n, p in model.named_parameters() if n.startswith("layers.")]
+        return torch.optim.AdamW([
+            {"params": [p for p in blocks if p.ndim > 1], "weight_decay": 0.1},
+            {"params": [p for p in blocks if p.ndim <= 1], "weight_decay": 0.0},
+        ], lr=1e-2)
+
+    fulls = []
+    for model, opt, h in _pair(20, _mesh(), make):
+        _train(model, opt, rank, world_size, 1)
+        rest = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
+        opt.add_param_group({"params": rest, "lr": 5e-3, "weight_decay": 0.0})
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        _train(model, opt, rank, world_size, 2, first=1, after_step=sched.step)
+        fulls.append(_fulls(model, h))
+        if h.engine.replicas is not None:  # the added group's buffer is sliced too
+            assert len(h.engine.replicas.slices) == len(model.layers) + 1
+    _assert_equal(*fulls)
+
+
+def _all_reduce_off(rank, world_size):
+    """Accumulation with set_requires_all_reduce(False): one reduce-scatter over replicas, exact."""
+    fulls = []
+    for model, opt, h in _pair(21, _mesh(), OPTIMS["adamw"]):
+        _train(model, opt, rank, world_size, 2, micro=3, accumulate_with="set_requires_all_reduce")
+        fulls.append(_fulls(model, h))
+    _assert_equal(*fulls)
 
 
 def _clip_and_accumulate(rank, world_size):
@@ -192,11 +240,37 @@ def _refusals(rank, world_size):
         assert "2-D" in str(e), e
     else:
         raise AssertionError("a 1-D mesh was accepted")
+    for kwargs in ({"flat_buffers": False}, {"offload": fsdp2.OptimizerOffloadPolicy("host")}):
+        with pytest.raises(NotImplementedError, match="cannot be combined"):
+            fsdp2.enable_local_shard_step(
+                torch.optim.AdamW(model.parameters()), shard_across_replicas=True, **kwargs
+            )
+    # a group's parameter left to another optimizer would step on zeros outside the slice
+    with pytest.raises(ValueError, match="same fully_shard group") as e:
+        fsdp2.enable_local_shard_step(torch.optim.AdamW(hidden), shard_across_replicas=True)
+    assert "norm.weight" in str(e.value), e.value  # the 1-D parameters left out of ``hidden``
+    # the per-parameter fallback is refused: a run with a gradient missing cannot step its slice
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    h = fsdp2.enable_local_shard_step(opt, shard_across_replicas=True)
+    _train(model, opt, rank, world_size, 1)
+    before = _fulls(model, h)
+    loss_of(model, rank_slice(batch_of(1, 2 * world_size), rank, world_size)).backward()
+    model.layers[0].attention.wq.weight.grad = None
+    with pytest.raises(RuntimeError, match="cannot step on its own"):
+        opt.step()
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    _assert_equal(before, _fulls(model, h))  # nothing stepped
+    opt.zero_grad()
+    _train(model, opt, rank, world_size, 1, first=2)  # and the optimizer still works
 
 
 CASES = {
     "parity_adamw": _parity("adamw"),
     "parity_sgd": _parity("sgd"),
+    "parity_four_replicas": _parity_four_replicas,
+    "mixed_precision": _mixed_precision,
+    "groups_and_schedulers": _groups_and_schedulers,
+    "all_reduce_off": _all_reduce_off,
     "clip_and_accumulate": _clip_and_accumulate,
     "collectives": _collectives,
     "state_dict": _state_dict_round_trip,
@@ -228,3 +302,37 @@ def test_state_dict_and_dcp(launch_cases):
 def test_refusals(launch_cases):
     """Muon, LBFGS and a 1-D mesh are refused with a clear error."""
     check_case(launch_cases(4, CASES), "refusals")
+
+
+def test_four_replicas(launch_cases):
+    """4x1 (R = 4): within one rounding of plain HSDP; state per rank a quarter."""
+    check_case(launch_cases(4, CASES), "parity_four_replicas")
+
+
+def test_mixed_precision(launch_cases):
+    """param_dtype bf16, reduce_dtype fp32: bit-identical to plain HSDP."""
+    check_case(launch_cases(4, CASES), "mixed_precision")
+
+
+def test_param_groups_add_param_group_and_scheduler(launch_cases):
+    """Two param groups, add_param_group (its buffer sliced at the next step), StepLR: exact."""
+    check_case(launch_cases(4, CASES), "groups_and_schedulers")
+
+
+def test_accumulation_with_all_reduce_off(launch_cases):
+    """set_requires_all_reduce(False) micro-batches, then one reduce-scatter: exact."""
+    check_case(launch_cases(4, CASES), "all_reduce_off")
+
+
+# ---------------------------------------------------------------- W = 8 on thread ranks
+
+
+def _eight_ranks(rank, world_size, base):
+    """2x4 (R = 2, bit-identical) and 4x2 (R = 4, within one rounding) on one thread world."""
+    _check_parity(rank, world_size, base, (2, 4), OPTIMS["adamw"])
+    _check_parity(rank, world_size, base, (4, 2), OPTIMS["adamw"], exact=False)
+
+
+def test_eight_ranks_on_threads():
+    """W=8 as 2x4 and 4x2 on torch's threaded process group (one process, eight thread ranks)."""
+    run_threads(_eight_ranks, 8, build_transformer(seed=22))

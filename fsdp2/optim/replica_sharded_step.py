@@ -129,16 +129,54 @@ class ReplicaShardedStep:
             )
         self.optimizer = optimizer
         self.slices: list[ReplicaSlices] = []
-        names = _names(optimizer)
-        for group in optimizer.param_groups:
-            if group.get("differentiable", False):
-                raise ValueError("shard_across_replicas=True does not support differentiable=True")
-            for p in group["params"]:
-                slices = replica_slices.enable(p, names.get(id(p), "<unnamed>"))
-                if slices is not None and slices not in self.slices:
-                    self.slices.append(slices)
         self.runs: dict[tuple[int, ...], SlicedRun] = {}
         self._stepped: list[ReplicaSlices] = []
+        self._tracked = 0  # parameters seen so far (add_param_group adds more)
+        self.track()
+
+    def track(self) -> None:
+        """Slice the groups of parameters added since the last call (``add_param_group``).
+
+        Raises ``ValueError`` when a group's trainable parameter is not in this
+        optimizer: its gradient holds only this replica's slice, so another
+        optimizer would step it on zeros.
+        """
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) == self._tracked:
+            return
+        names = _names(self.optimizer)
+        ids = {id(p) for p in params}
+        added: list[ReplicaSlices] = []
+        first_name: dict[int, str] = {}
+        try:
+            for group in self.optimizer.param_groups:
+                if group.get("differentiable", False):
+                    raise ValueError(
+                        "shard_across_replicas=True does not support differentiable=True"
+                    )
+                for p in group["params"]:
+                    name = names.get(id(p), "<unnamed>")
+                    slices = replica_slices.enable(p, name)
+                    if slices is not None and slices not in self.slices and slices not in added:
+                        added.append(slices)
+                        first_name[id(slices)] = name
+            for slices in added:
+                missing = replica_slices.trainable_outside(slices, ids)
+                if missing:
+                    raise ValueError(
+                        f"shard_across_replicas=True: parameter {missing[0]} (named inside its "
+                        "fully_shard module) is in the same fully_shard group as this "
+                        f"optimizer's {first_name[id(slices)]} but not in the optimizer; after "
+                        "the reduce-scatter over replicas its gradient holds only this "
+                        "replica's slice. Give all of a group's trainable parameters to this "
+                        "optimizer (add_param_group), freeze it, or drop the option"
+                    )
+        except BaseException:  # nothing half-enabled: those groups stay plain HSDP
+            for slices in added:
+                replica_slices.disable(slices)
+            raise
+        self.slices += added
+        self._tracked = len(params)
 
     def sliced(self, run: FlatRun, group: int) -> SlicedRun | None:
         """``run``'s part in this rank's slice, or ``None`` if its group is not sharded so."""

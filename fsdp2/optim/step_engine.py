@@ -138,10 +138,15 @@ class StepEngine:
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.replicas is not None:
             self.replicas.wait()  # the last step's all-gather lands before this one steps
+            self.replicas.track()  # param groups added since
         if self.tier.in_units:
             self._step_units(optimizer, args, kwargs)
-        else:
+            return
+        try:
             self._swap_in(optimizer)
+        except BaseException:  # a refusal half-way: the groups get their own parameters back
+            self._swap_out(optimizer.state)
+            raise
 
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         for g, params in zip(optimizer.param_groups, self._held):

@@ -144,6 +144,14 @@ def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
     return flat.replica_slices  # type: ignore[return-value]
 
 
+def trainable_outside(slices: ReplicaSlices, param_ids: set[int]) -> list[str]:
+    """Names of the group's parameters that require gradients and are not in ``param_ids``."""
+    return [
+        p.fqn for p in slices.flat.fsdp_params
+        if p.sharded_param.requires_grad and id(p.sharded_param) not in param_ids
+    ]
+
+
 def disable(slices: ReplicaSlices) -> None:
     """Back to plain HSDP: the pending all-gather finishes, the group all-reduces again."""
     slices.wait()
