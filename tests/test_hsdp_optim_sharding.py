@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _impl import fully_shard
+from _impl import fsdp2_only, fully_shard
 from _threaded import run_threads
 from checks import check_case, record_collectives, train_alone
 from models import build_transformer, full, rank_slice, shard_transformer
@@ -26,9 +26,12 @@ from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+
+pytestmark = fsdp2_only  # fsdp2's own option (refused for upstream's parameters: test_refusals)
 
 OPTIMS = {
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
@@ -53,7 +56,9 @@ def _pair(base, mesh, make, *, mp_policy=None, **opt_kw):
     for sharded in (False, True):
         model = shard_transformer(copy.deepcopy(base), fully_shard, mesh=mesh, **kwargs)
         optim = make(model)
-        handle = fsdp2.enable_local_shard_step(optim, shard_across_replicas=sharded, **opt_kw)
+        handle = fsdp2.enable_local_shard_step(
+            optim, shard_across_replicas=sharded, **(opt_kw if sharded else {})
+        )
         out.append((model, optim, handle))
     return out
 
@@ -98,7 +103,12 @@ def _check_parity(rank, world_size, base, shape, make, *, exact=True, **pair_kw)
     (plain, p_opt, p_h), (model, opt, h) = _pair(base, _mesh(*shape), make, **pair_kw)
     _train(plain, p_opt, rank, world_size, STEPS)
     _train(model, opt, rank, world_size, STEPS)
-    _assert_equal(_fulls(plain, p_h), _fulls(model, h), exact=exact)
+    expected = _fulls(plain, p_h)
+    if pair_kw.get("overlap_replica_gather"):  # in flight: other replicas' rows are stale
+        assert any(not torch.equal(expected[n], full(p.detach())) for n, p in model.named_parameters())
+    else:  # step() waited: the parameters are current without a call
+        _assert_equal(expected, {n: full(p.detach()) for n, p in model.named_parameters()}, exact)
+    _assert_equal(expected, _fulls(model, h), exact=exact)
     # slices of ceil(N / R) elements: at most a few elements per group above 1/R
     replicas = shape[0]
     mine, theirs = _state_numel(opt, h), _state_numel(p_opt)
@@ -107,8 +117,9 @@ def _check_parity(rank, world_size, base, shape, make, *, exact=True, **pair_kw)
 
 
 def _parity(name):
-    def case(rank, world_size):
-        _check_parity(rank, world_size, 11, (2, 2), OPTIMS[name])
+    def case(rank, world_size):  # SGD: with the all-gathers left in flight after step()
+        overlap = {"overlap_replica_gather": True} if name == "sgd" else {}
+        _check_parity(rank, world_size, 11, (2, 2), OPTIMS[name], **overlap)
     return case
 
 
@@ -240,6 +251,11 @@ def _refusals(rank, world_size):
         assert "2-D" in str(e), e
     else:
         raise AssertionError("a 1-D mesh was accepted")
+    upstream = shard_transformer(build_transformer(seed=17), upstream_fully_shard, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="outside fsdp2's flat shard buffers"):
+        fsdp2.enable_local_shard_step(
+            torch.optim.AdamW(upstream.parameters()), shard_across_replicas=True
+        )
     for kwargs in ({"flat_buffers": False}, {"offload": fsdp2.OptimizerOffloadPolicy("host")}):
         with pytest.raises(NotImplementedError, match="cannot be combined"):
             fsdp2.enable_local_shard_step(

@@ -213,6 +213,7 @@ def _check_can_summon(group: FSDPParamGroup) -> None:
             "unshard()); call it before forward or after backward, or call reshard() on the "
             "module first"
         )
+    group.wait_for_replica_gather()  # see [Note: Replica slices] in runtime/replica_slices.py
     group.adopt_params()
     group.check_materialized()
     for p in group.fsdp_params:

@@ -63,6 +63,7 @@ def enable_local_shard_step(
     flat_buffers: bool = True,
     offload: OptimizerOffloadPolicy | None = None,
     shard_across_replicas: bool = False,
+    overlap_replica_gather: bool = False,
 ) -> LocalShardStepHandle:
     """Make ``optimizer.step()`` run on the plain local shards of its DTensor parameters.
 
@@ -98,15 +99,25 @@ def enable_local_shard_step(
     the optimizer state sharded across replicas too: each replica rank steps
     and keeps the state of only its 1/R slice of each group's flat shard; the
     gradients are reduce-scattered over ``replicate`` instead of all-reduced
-    and the updated slices all-gathered after the step (waited for at the
-    group's next unshard, ``state_dict``, the next step, or
-    ``handle.wait_for_parameters()``). Same parameters as plain HSDP (bit for
-    bit at R = 2), state memory / R, bytes communicated unchanged. Elementwise
-    optimizers of fsdp2's ``fully_shard`` only (``fsdp2.Muon`` and others are
-    refused); not with ``offload=`` or ``flat_buffers=False``.
-    ``optimizer.state_dict()`` then all-gathers the slices (call it on every
-    rank) and gives plain HSDP's layout. See [Note: Replica slices] in
-    ``runtime/replica_slices.py``.
+    and the updated slices all-gathered over ``replicate`` at the end of
+    ``step()``. Same parameters as plain HSDP (bit for bit at R = 2; at R > 2
+    within one rounding of the gradient, as the backend may sum the
+    reduce-scatter in another order than its all-reduce), state memory / R,
+    bytes communicated unchanged. Elementwise optimizers and fsdp2's
+    ``fully_shard`` only (``fsdp2.Muon``, LBFGS, upstream's parameters, a
+    1-D mesh are refused), and every trainable parameter of a group sliced so
+    must be in this optimizer; not with ``offload=`` or
+    ``flat_buffers=False``. ``optimizer.state_dict()`` then all-gathers the
+    slices (call it on every rank) and gives plain HSDP's layout. See
+    [Note: Replica slices] in ``runtime/replica_slices.py`` and
+    docs/meshes.md.
+
+    ``overlap_replica_gather`` (with ``shard_across_replicas``): ``step()``
+    returns with the all-gathers in flight, to run behind the next forward;
+    fsdp2 waits for a group's before its next unshard, its ``state_dict``
+    and the next step. Parameters read any other way before the next forward
+    (an EMA, a norm logged after the step, ``full_tensor()``) are stale
+    outside this rank's slice until ``handle.wait_for_parameters()``.
 
     Example::
 
@@ -119,12 +130,18 @@ def enable_local_shard_step(
         raise ValueError(
             f"enable_local_shard_step expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    if overlap_replica_gather and not shard_across_replicas:
+        raise ValueError(
+            "overlap_replica_gather=True overlaps the all-gather over replicas that "
+            "shard_across_replicas=True adds: pass both, or neither"
+        )
     disable_flat_step(optimizer)  # this engine replaces the default one
     engine = StepEngine(
         optimizer,
         flat_buffers=flat_buffers,
         offload=offload,
         shard_across_replicas=shard_across_replicas,
+        overlap_replica_gather=overlap_replica_gather,
     )
     hooks = [
         optimizer.register_step_pre_hook(engine.before_step),

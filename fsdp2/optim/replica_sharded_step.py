@@ -85,16 +85,25 @@ class SlicedRun:
         self._publish_scalars(state)
 
     def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-        """Before the step: the slice's part with its gradient and state."""
-        if not isinstance(grad, torch.Tensor):
-            raise RuntimeError(
-                "shard_across_replicas=True: the gradients of a flat run are not one region "
-                "laid out as the buffer (a gradient set by hand?); zero_grad() and run backward"
-            )
+        """Before the step: the slice's part with its gradient and state.
+
+        ``grad`` is the run's flat gradient, or its per-parameter local
+        gradients where they are not one region (set by hand, e.g. the zeros
+        DCP's ``get_optimizer_state_dict`` steps a fresh optimizer with): the
+        part's elements are then copied out of them.
+        """
         self.adopt(state)
         if self.end == self.begin:
             return []
-        self.param.grad = grad[self.begin : self.end]
+        if isinstance(grad, torch.Tensor):
+            self.param.grad = grad[self.begin : self.end]
+        else:
+            part = self.param.new_empty(self.end - self.begin)
+            for local, off, n in zip(grad, self.run.offsets, self.run.numels):
+                lo, hi = max(off, self.begin), min(off + n, self.end)
+                if hi > lo:
+                    part[lo - self.begin : hi - self.begin].copy_(local.reshape(-1)[lo - off : hi - off])
+            self.param.grad = part
         if self.state:
             state[self.param] = self.state
         return [self.param]
@@ -119,7 +128,7 @@ class SlicedRun:
 class ReplicaShardedStep:
     """The step engine's part for parameters whose state is sharded across replicas."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False) -> None:
         if not is_elementwise(optimizer):
             raise ValueError(
                 f"shard_across_replicas=True needs one of torch's elementwise optimizers "
@@ -128,6 +137,7 @@ class ReplicaShardedStep:
                 "does not hold: drop the option for it"
             )
         self.optimizer = optimizer
+        self.overlap = overlap  # leave the post-step all-gathers in flight after step()
         self.slices: list[ReplicaSlices] = []
         self.runs: dict[tuple[int, ...], SlicedRun] = {}
         self._stepped: list[ReplicaSlices] = []
@@ -204,15 +214,23 @@ class ReplicaShardedStep:
                     "give every trainable parameter of a group a gradient, or drop the option"
                 )
 
+    def after_load(self, state: dict) -> None:
+        """After ``load_state_dict``: each sliced run keeps its part of the loaded state."""
+        for sliced in self.runs.values():
+            sliced.adopt(state)
+
     def wait(self) -> None:
         """Finish every post-step all-gather in flight."""
         for slices in self.slices:
             slices.wait()
 
     def after_step(self) -> None:
-        """Start the all-gathers over replicas of the slices just stepped."""
+        """All-gather over replicas the slices just stepped; without ``overlap``, wait for them."""
         for slices in self._stepped:
             slices.start_gather()
+        if not self.overlap:
+            for slices in self._stepped:
+                slices.wait()
         self._stepped = []
 
     def close(self) -> None:

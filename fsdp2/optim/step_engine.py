@@ -69,6 +69,7 @@ class StepEngine:
         flat_buffers: bool,
         offload: OptimizerOffloadPolicy | None = None,
         shard_across_replicas: bool = False,
+        overlap_replica_gather: bool = False,
         flat_groups_only: bool = False,
     ) -> None:
         if shard_across_replicas and (offload is not None or not flat_buffers):
@@ -77,7 +78,10 @@ class StepEngine:
                 "with offload=... or flat_buffers=False"
             )
         # ---- HSDP, state sharded across replicas: see [Note: Replica slices]
-        self.replicas = ReplicaShardedStep(optimizer) if shard_across_replicas else None
+        self.replicas = (
+            ReplicaShardedStep(optimizer, overlap=overlap_replica_gather)
+            if shard_across_replicas else None
+        )
         if offload is not None and not is_elementwise(optimizer):
             raise ValueError(
                 f"OptimizerOffloadPolicy needs an elementwise optimizer ({elementwise_names()}); "
@@ -163,6 +167,8 @@ class StepEngine:
         ``optimizer.state`` before its next step and rebuilds from it
         (``FlatRun.adopt_state``); leftovers read it as it is.
         """
+        if self.replicas is not None:  # the slices take their part now: state_dict() sees it
+            self.replicas.after_load(optimizer.state)
         if not self.tier.in_units:
             return
         state, tier = optimizer.state, self.tier

@@ -16,9 +16,15 @@ group's flat buffer (one dtype) is cut into R contiguous *slices* of
 - the optimizer steps only the slice (optim/replica_sharded_step.py) and
   keeps only the slice's state;
 - after the step, one all-gather over ``replicate`` of the updated slices
-  (``start_gather``, asynchronous) rewrites the whole buffer; it is waited
-  for (``wait``) before the parameters are next used: the group's next
-  unshard, its ``state_dict``, the next step.
+  (``start_gather``, asynchronous) rewrites the whole buffer. ``step()``
+  waits for it (``wait``) before it returns, unless
+  ``overlap_replica_gather=True``: then it runs behind the next forward and
+  is waited for before the parameters are next used by fsdp2: the group's
+  next unshard (on the all-gather stream's side, before the unshard's own
+  all-gather), its ``state_dict``, ``summon_full_params``, the next step.
+  Anything else reading the parameters (an EMA, ``full_tensor()``) would
+  see the slices of other replicas from before the step: the default waits
+  because nothing can hook such reads.
 
 A reduce-scatter and an all-gather move the bytes of one ring all-reduce, so
 the communication per step is plain HSDP's. With R = 2 the reduced values are
@@ -113,15 +119,21 @@ def slices_of(param: torch.Tensor) -> ReplicaSlices | None:
 
 
 def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
-    """Shard the optimizer state of ``param``'s group across replicas; ``None`` if not fsdp2's.
+    """Shard the optimizer state of ``param``'s group across replicas; ``None`` for a plain tensor.
 
     Raises ``ValueError`` for a parameter not on a 2-D (replicate, shard) mesh,
-    ``NotImplementedError`` for a group of several dtypes. ``name`` names
-    the parameter in errors.
+    ``NotImplementedError`` for a DTensor outside fsdp2's flat buffers or a
+    group of several dtypes. ``name`` names the parameter in errors.
     """
     flat = flat_shard_of(param)
-    if flat is None or not isinstance(param, DTensor):
-        return None
+    if not isinstance(param, DTensor):
+        return None  # a plain (replicated) tensor steps as it is
+    if flat is None:
+        raise NotImplementedError(
+            f"shard_across_replicas=True: parameter {name} is a DTensor outside fsdp2's flat "
+            "shard buffers (sharded by torch's fully_shard, or by hand); shard its module with "
+            "fsdp2.fully_shard, or drop the option"
+        )
     mesh, placements = param.device_mesh, param.placements
     if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or placements[1].is_replicate():
         raise ValueError(
