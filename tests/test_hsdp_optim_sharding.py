@@ -349,6 +349,12 @@ def _eight_ranks(rank, world_size, base):
     _check_parity(rank, world_size, base, (4, 2), OPTIMS["adamw"], exact=False)
 
 
-def test_eight_ranks_on_threads():
-    """W=8 as 2x4 and 4x2 on torch's threaded process group (one process, eight thread ranks)."""
+def _on_threads(rank, world_size):
+    # in a child process: autograd on thread ranks leaves the parent unable to fork ranks later
     run_threads(_eight_ranks, 8, build_transformer(seed=22))
+
+
+def test_eight_ranks_on_threads(launch_cases):
+    """W=8 as 2x4 and 4x2 on torch's threaded process group (one process, eight thread ranks)."""
+    ok, outcome = launch_cases.run(_on_threads, 1)
+    assert ok, outcome

@@ -31,7 +31,13 @@ from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, Muon, fully_shard
+from fsdp2 import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    Muon,
+    enable_local_shard_step,
+    fully_shard,
+)
 from fsdp2.runtime import comm_context
 from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 
@@ -41,7 +47,7 @@ STEPS = 3
 def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
-           keep_storage=False, max_input_buffers=1, **kwargs):
+           keep_storage=False, max_input_buffers=1, replica_slices=False, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -77,6 +83,10 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
                  torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.1)])
     else:
         opts = (torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
+    handle = None
+    if replica_slices:  # HSDP, state sharded across replicas, its all-gather left in flight
+        handle = enable_local_shard_step(opts[1], shard_across_replicas=True,
+                                         overlap_replica_gather=True)
     if compiled:  # compile outside the checker; under it the compiled block runs
         mlp_loss(model, rank_slice(chain_batch(0, 8), rank, world_size)).backward()
         model.zero_grad()
@@ -89,14 +99,18 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         model.set_post_optim_event(event)
 
     compare = check_ref and not edge
+    batches = [chain_batch(step, 8) for step in range(STEPS)]
+    if compare and replica_slices:  # gradients hold only this replica's slice: compare the end
+        train_alone(ref, batches, mlp_loss, opt=opts[0])
     with checker:
         if hook_stream:
             # HSDP: the hook follows FSDP's all-reduce on its stream (a stream of its own is refused)
             stream = None if mesh is not None else checker.new_stream("hook")
             model.set_all_reduce_hook(lambda t: seen.append(t.sum()), stream=stream)
+        with_ref = compare and not replica_slices
         train_steps(
-            ref if compare else None, model, [chain_batch(step, 8) for step in range(STEPS)],
-            mlp_loss, rank, world_size, opts if compare else (None, opts[1]), mean=False,
+            ref if with_ref else None, model, batches,
+            mlp_loss, rank, world_size, opts if with_ref else (None, opts[1]), mean=False,
             micro_batches=2 if accumulate else 1,
             after_backward=(lambda: model.finalize_backward(async_op=True).wait())
             if finalize_async else None,
@@ -104,6 +118,8 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         )
     if hook_stream and not edge:
         assert len(seen) > 0
+    if handle is not None:
+        handle.wait_for_parameters()
     if compare:  # the parameters after the last step too
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
@@ -155,11 +171,15 @@ SIGNATURE = {
     "reduce_scatter->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
     "offload->optimizer": "on stream 0 (compute) reads memory that 'reduce_scatter_single'",
     "post_optim->all_gather": "'all_gather_single' on stream 5 (process group 0) reads memory",
+    "replica_gather->copy_in": "'slice' on stream 1 (copy_in) reads memory that "
+                               "'all_gather_single' wrote on stream 6 (process group 1)",
 }
 
 
-# At W=2; the post-forward shard's edge needs a smaller post-forward group (W=4 below).
-CAUGHT = [e for e in comm_context.EDGES if e != "post_forward_shard->all_gather"]
+# At W=2; the post-forward shard's edge needs a smaller post-forward group, the replica
+# gather's an HSDP mesh (both W=4 below).
+CAUGHT = [e for e in comm_context.EDGES
+          if e not in ("post_forward_shard->all_gather", "replica_gather->copy_in")]
 
 
 def _case(**kwargs):
@@ -173,6 +193,20 @@ def _hsdp(rank, world_size):
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     errors = _checked_run(rank, world_size, mesh=mesh, hook_stream=True)
     assert errors == [], "\n".join(errors[:5])
+
+
+def _replica_slices(rank, world_size):
+    """HSDP with the state sharded across replicas, the post-step all-gather in flight:
+    no race (with and without set_post_optim_event), same parameters as the reference;
+    without the named wait, the copy-in stream's copy of the gathered slices is a race."""
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    for post_optim_event in (False, True):
+        errors = _checked_run(rank, world_size, mesh=mesh, replica_slices=True,
+                              post_optim_event=post_optim_event)
+        assert errors == [], "\n".join(errors[:5])
+    planted = _checked_run(rank, world_size, "replica_gather->copy_in", mesh=mesh,
+                           replica_slices=True)
+    assert planted and SIGNATURE["replica_gather->copy_in"] in planted[0], planted[:2]
 
 
 MATRIX = {
@@ -268,6 +302,7 @@ def _two_meshes_one_call(rank, world_size):
 
 
 MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
+             "replica_slices": _replica_slices,
              "hook_stream_cpu": _hook_stream_on_cpu, "two_meshes_one_call": _two_meshes_one_call}
 
 

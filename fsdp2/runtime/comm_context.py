@@ -38,7 +38,13 @@ On an accelerator the context makes four streams through a stream backend
   event, or the compute stream (``post_optim->all_gather``);
 - with ``reshard_after_forward`` an int, the backward all-gather streams wait
   for the event recorded after the kept post-forward shard was written on the
-  compute stream (``post_forward_shard->all_gather``).
+  compute stream (``post_forward_shard->all_gather``);
+- with the optimizer state sharded across replicas and the post-step
+  all-gather over replicas left in flight, a group's unshard first makes the
+  copy-in stream wait for that collective and copies its output into the
+  flat buffer there, before the copy-in reads the buffer
+  (``replica_gather->copy_in``; see [Note: Replica slices] in
+  replica_slices.py).
 
 Lifetimes cross streams through events and held references, never
 ``Tensor.record_stream``. On CPU there is one stream: there is no backend,
@@ -75,6 +81,7 @@ EDGES = (
     "offload->optimizer",
     "post_optim->all_gather",
     "post_forward_shard->all_gather",
+    "replica_gather->copy_in",
 )
 
 
@@ -109,6 +116,9 @@ class DeviceStreamBackend:
 
     def synchronize(self, edge: str | None, event: Any) -> None:
         event.synchronize()
+
+    def wait_work(self, edge: str | None, work: Any) -> None:
+        work.wait()  # NCCL: the current stream waits for the collective's
 
 
 def stream_backend_for(device: torch.device) -> DeviceStreamBackend | None:
@@ -193,6 +203,13 @@ class CommContext:
     def wait_event(self, edge: str | None, waiter: Any, event: Any) -> None:
         if self.active and event is not None:
             self.backend.wait_event(edge, waiter, event)
+
+    def wait_work(self, edge: str | None, work: Any) -> None:
+        """The current stream (the host, without streams) waits for an asynchronous collective."""
+        if self.active:
+            self.backend.wait_work(edge, work)
+        else:
+            work.wait()
 
     def synchronize(self, edge: str | None, event: Any) -> None:
         """The host waits for ``event`` (if any)."""

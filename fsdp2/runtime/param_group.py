@@ -210,11 +210,17 @@ class FSDPParamGroup:
         if self.offload:
             check_on_host(self.fsdp_params, self.device)
 
-    def wait_for_replica_gather(self) -> None:
-        """Finish the post-step all-gather across replicas, if any (see [Note: Replica slices])."""
+    def wait_for_replica_gather(self, on_comm_streams: bool = False) -> None:
+        """Finish the post-step all-gather across replicas, if any (see [Note: Replica slices]).
+
+        ``on_comm_streams``: an unshard's, on the copy-in stream that reads the buffer next.
+        """
         slices = self._flat.replica_slices
-        if slices is not None:
-            slices.wait()
+        if slices is None or not slices.gathering:
+            return
+        ctx = self.comm_ctx
+        with ctx.use(ctx.copy_in if ctx.active and on_comm_streams else None):
+            slices.wait(ctx)
 
     # ---- unshard / reshard --------------------------------------------------
 
@@ -240,7 +246,7 @@ class FSDPParamGroup:
         step = self.step
         if step.is_unsharded or step.pending_unshard is not None or step.pending_staged:
             return
-        self.wait_for_replica_gather()
+        self.wait_for_replica_gather(on_comm_streams)
         if self._flat.needs_adoption:
             self.adopt_params()
             self.check_materialized()

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .._torch_compat import local_tensor
 from . import collectives
+from .comm_context import CommContext
 from .flat_shard import FlatShard, flat_shard_of
 from .param import FSDPParam
 
@@ -93,14 +94,21 @@ class ReplicaSlices:
     def gathering(self) -> bool:
         return self._pending is not None
 
-    def wait(self) -> None:
-        """Finish the post-step all-gather, if one is in flight: the buffer is whole again."""
+    def wait(self, ctx: CommContext | None = None) -> None:
+        """Finish the post-step all-gather, if one is in flight: the buffer is whole again.
+
+        On the current stream; ``ctx``: through its named wait (an unshard's,
+        on the copy-in stream, see [Note: Streams] in comm_context.py).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
         work, out, _, buffer = pending
         if work is not None:
-            work.wait()
+            if ctx is not None:
+                ctx.wait_work("replica_gather->copy_in", work)
+            else:
+                work.wait()
         buffer.copy_(out[: self.numel])
 
 
