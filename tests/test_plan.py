@@ -23,7 +23,7 @@ import warnings
 
 import pytest
 import torch
-from _impl import IMPL
+from _impl import IMPL, fsdp2_only
 
 pytest.importorskip("transformers")
 
@@ -239,3 +239,27 @@ def test_search_ranks_and_extrapolates():
     assert fits == sorted(fits, reverse=True)
     times = [p.step_seconds for p, ok in zip(plans, fits) if ok]
     assert times == sorted(times)
+
+
+@fsdp2_only
+def test_shard_optim_across_replicas():
+    """HSDP 2x4 at W=8 with the optimizer state sharded across replicas: the state per rank
+    halves; the all-reduce becomes a reduce-scatter and an all-gather of its bytes (the two
+    halves of a ring all-reduce: the same time); a mesh without replicas is refused."""
+    base = PlanConfig(model=demo_model, world_size=8, mesh=(2, 4), batch_size=BATCH, seq_len=SEQ)
+    plain, sliced = plan(base), plan(base.with_(shard_optim_across_replicas=True))
+    held, plain_held = (p.simulation.state_bytes["optimizer"] for p in (sliced, plain))
+    assert plain_held // 2 <= held <= plain_held // 2 + 1024, (held, plain_held)  # slices padded
+    assert sliced.peak_breakdown["optimizer"] <= plain.peak_breakdown["optimizer"] // 2 + 1024
+    ours, theirs = sliced.comm_bytes_per_step, plain.comm_bytes_per_step
+    assert "all_reduce" not in ours and theirs["all_reduce"] > 0
+    assert ours["reduce_scatter"] - theirs["reduce_scatter"] == theirs["all_reduce"]
+    assert ours["all_gather"] - theirs["all_gather"] == theirs["all_reduce"]
+    # the same time on the wire; each group's all-gather after the step adds one latency
+    extra_calls = sum(sliced.comm_calls_per_step.values()) - sum(plain.comm_calls_per_step.values())
+    latency = extra_calls * plain.device.latency_us * 1e-6
+    assert sliced.time["comm_s"] - plain.time["comm_s"] == pytest.approx(latency, rel=1e-6)
+    assert "state sharded across replicas" in sliced.table()
+    for bad in ({"mesh": None}, {"implementation": "torch"}):
+        with pytest.raises(ValueError, match="replicate,shard mesh"):
+            plan(base.with_(shard_optim_across_replicas=True, **bad))

@@ -45,6 +45,15 @@ class LocalShardStepHandle:
         if self.engine.replicas is not None:
             self.engine.replicas.wait()
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer-state tensors this rank holds outside ``optimizer.state``.
+
+        ``shard_across_replicas``: the slices' state (``optimizer.state`` keeps
+        only each parameter's scalars between steps); otherwise empty.
+        """
+        replicas = self.engine.replicas
+        return [] if replicas is None else replicas.state_tensors()
+
     def remove(self) -> None:
         """Unregister the hooks; state in a host or disk tier comes back into ordinary memory."""
         for hook in self._hooks:

@@ -214,6 +214,10 @@ class ReplicaShardedStep:
                     "give every trainable parameter of a group a gradient, or drop the option"
                 )
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the slices' state this rank holds."""
+        return [v for r in self.runs.values() for v in r.state.values() if torch.is_tensor(v)]
+
     def after_load(self, state: dict) -> None:
         """After ``load_state_dict``: each sliced run keeps its part of the loaded state."""
         for sliced in self.runs.values():

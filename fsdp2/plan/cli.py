@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--activation-checkpointing", action="store_true")
     run.add_argument("--cpu-offload", action="store_true")
     run.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    run.add_argument("--shard-optim-across-replicas", action="store_true",
+                     help="HSDP: optimizer state sharded over the replicate dim too (fsdp2 only)")
     run.add_argument("--batch-size", type=int, default=1, help="per data-parallel rank")
     run.add_argument("--seq-len", type=int, default=2048)
     run.add_argument("--implementation", default="fsdp2", choices=("fsdp2", "torch"),
@@ -117,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         implementation=args.implementation,
+        shard_optim_across_replicas=args.shard_optim_across_replicas,
     )
 
 

@@ -63,6 +63,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "peak_breakdown_bytes": p.peak_breakdown,
         "peak_phase": p.peak_phase,
         "host_bytes_per_rank": p.host_bytes_per_rank,
+        "state_bytes_per_rank": sim.state_bytes,
         "fits": p.fits,
         "comm_bytes_per_step": p.comm_bytes_per_step,
         "comm_calls_per_step": p.comm_calls_per_step,
@@ -96,7 +97,8 @@ def plan_table(p: Plan) -> str:
         f"W={cfg.world_size}",
         f"  dtype {cfg.dtype} ({mp}), reshard_after_forward={cfg.reshard_after_forward}, "
         f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
-        f"CPU offload {'on' if cfg.cpu_offload else 'off'}, {cfg.optimizer}, "
+        f"CPU offload {'on' if cfg.cpu_offload else 'off'}, {cfg.optimizer}"
+        f"{' (state sharded across replicas)' if cfg.shard_optim_across_replicas else ''}, "
         f"batch {cfg.batch_size} x seq {cfg.seq_len} per rank",
         "",
         f"Peak memory per rank: {_gib(p.peak_bytes_per_rank)} (in {p.peak_phase}) of "
@@ -106,6 +108,7 @@ def plan_table(p: Plan) -> str:
         lines.append(f"  {LABELS[c]:<28} {_gib(p.peak_breakdown.get(c, 0)):>14}")
     if cfg.cpu_offload:
         lines.append(f"  host memory (offloaded state) {_gib(p.host_bytes_per_rank):>12}")
+    lines.append(f"  {'optimizer state held':<28} {_gib(p.simulation.state_bytes['optimizer']):>14}")
     lines += ["", "Communication per step per rank (logical bytes, calls):"]
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
         if kind in p.comm_bytes_per_step:

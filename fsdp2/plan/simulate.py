@@ -55,6 +55,9 @@ class PlanConfig:
     ``mesh`` is the data-parallel mesh shape: ``(W,)`` (FSDP, the default),
     ``(replicate, shard)`` (HSDP) or ``(replicate, shard, tp)``; its product
     is the world size. ``batch_size`` is per data-parallel rank.
+    ``shard_optim_across_replicas``: HSDP with the optimizer state sharded
+    across replicas too (``enable_local_shard_step(...,
+    shard_across_replicas=True)``; a ``(replicate, shard)`` mesh, fsdp2 only).
     """
 
     hf_config: str | dict | None = None
@@ -72,6 +75,7 @@ class PlanConfig:
     batch_size: int = 1
     seq_len: int = 2048
     implementation: str = "fsdp2"
+    shard_optim_across_replicas: bool = False
     make_inputs: Callable[[nn.Module, int, int], tuple[Any, Any]] | None = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
 
@@ -139,6 +143,12 @@ def _check(cfg: PlanConfig) -> tuple[int, ...]:
             )
     for what in ("dtype", "param_dtype", "reduce_dtype"):
         _dtype(getattr(cfg, what), what)
+    if cfg.shard_optim_across_replicas and (len(shape) != 2 or cfg.implementation != "fsdp2"):
+        raise ValueError(
+            f"shard_optim_across_replicas=True with mesh={shape} and implementation="
+            f"{cfg.implementation!r}: it shards fsdp2's HSDP optimizer state over the replicate "
+            "dim; give a replicate,shard mesh (e.g. --mesh 8,128) and implementation fsdp2"
+        )
     if dist.is_initialized():
         raise RuntimeError(
             "fsdp2.plan runs its own (fake) process group, but one is already initialized "
@@ -172,7 +182,10 @@ def _checkpoint_blocks(blocks: list[nn.Module]) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def _make_optimizer(cfg: PlanConfig, model: nn.Module) -> torch.optim.Optimizer:
+def _make_optimizer(
+    cfg: PlanConfig, model: nn.Module, handles: list[Any] | None = None
+) -> torch.optim.Optimizer:
+    """The configured optimizer (fsdp2: its flat step); its step handle appended to ``handles``."""
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach=True: the default on GPUs, which the plan is for (CPU tensors default to a loop).
     if cfg.optimizer == "sgd":
@@ -184,7 +197,12 @@ def _make_optimizer(cfg: PlanConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.implementation == "fsdp2":
         from fsdp2.optim.local_shard_step import enable_local_shard_step
 
-        enable_local_shard_step(optim)  # same state and updates; much faster to simulate
+        # same state and updates; much faster to simulate
+        handle = enable_local_shard_step(
+            optim, shard_across_replicas=cfg.shard_optim_across_replicas
+        )
+        if handles is not None:
+            handles.append(handle)
     return optim
 
 
@@ -257,14 +275,19 @@ def _run_step(
     model = workload.build_model(cfg.hf_config, cfg.model, _dtype(cfg.dtype, "dtype"))
     num_params = sum(p.numel() for p in model.parameters())
     groups, largest = shard_model(cfg, model, dp_mesh, tp_mesh)
-    optim = _make_optimizer(cfg, model)
+    handles: list[Any] = []
+    optim = _make_optimizer(cfg, model, handles)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # optimizer state as after the first step
         p.grad = torch.zeros_like(p)
     optim.step()
     optim.zero_grad(set_to_none=True)
+    state = [t for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    for handle in handles:  # state sharded across replicas lives in the step engine's slices
+        state += handle.state_tensors()
     with tracker:
-        return _measured_step(cfg, tracker, model, groups, optim, params, largest, num_params)
+        return _measured_step(cfg, tracker, model, groups, optim, params, largest, num_params,
+                              state)
 
 
 def _measured_step(
@@ -276,20 +299,16 @@ def _measured_step(
     params: list[nn.Parameter],
     largest: int,
     num_params: int,
+    optim_state: list[torch.Tensor],
 ) -> Simulation:
     for t in (*model.parameters(), *model.buffers()):
         tracker.tag(t, "parameters")
-    for state in optim.state.values():
-        for t in state.values():
-            if isinstance(t, torch.Tensor):
-                tracker.tag(t, "optimizer")
+    for t in optim_state:
+        tracker.tag(t, "optimizer")
     state_bytes = {"parameters": 0, "optimizer": 0}
     for t in (*model.parameters(), *model.buffers()):
         state_bytes["parameters"] += _local_bytes(t)
-    for state in optim.state.values():
-        state_bytes["optimizer"] += sum(
-            _local_bytes(t) for t in state.values() if isinstance(t, torch.Tensor)
-        )
+    state_bytes["optimizer"] = sum(_local_bytes(t) for t in optim_state)
 
     def tag_unsharded(module: nn.Module, *_: Any) -> None:
         for p in module.parameters():
