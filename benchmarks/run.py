@@ -29,6 +29,7 @@ from bench_bytes import bytes_body  # noqa: E402
 from bench_checkpoint import checkpoint_body  # noqa: E402
 from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
+from bench_hsdp_optim import hsdp_optim_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
 from bench_offload import offload_body_all  # noqa: E402
@@ -56,6 +57,10 @@ FULL = {
         "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
     },
     "muon_reps": 5,
+    "hsdp_shape": {
+        "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
+    },
+    "hsdp_reps": 10,
     "divergence_world_size": 16384,
     "small_reps": 8,
     "offload": {
@@ -81,6 +86,10 @@ QUICK = {
         "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
     },
     "muon_reps": 2,
+    "hsdp_shape": {
+        "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
+    },
+    "hsdp_reps": 3,
     "divergence_world_size": 1024,
     "small_reps": 2,
     "offload": {
@@ -93,6 +102,7 @@ WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
 MUON_WORLD_SIZE = 4
 MATERIALIZE_WORLD_SIZE = 1024
+HSDP_FAKE_MESH = (8, 128)  # (replicate, shard) for the optimizer-state memory rows
 
 
 def main() -> None:
@@ -162,6 +172,15 @@ def main() -> None:
             lambda: launch(
                 muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
             )[0],
+        ),
+        (
+            "hsdp_optim",
+            lambda: launch(hsdp_optim_body, 4, cfg, (2, 2), timeout=cfg["timeout"])[0],
+        ),
+        (
+            "hsdp_optim_fake",
+            lambda: launch(hsdp_optim_body, HSDP_FAKE_MESH[0] * HSDP_FAKE_MESH[1], cfg,
+                           HSDP_FAKE_MESH, backend="fake", timeout=cfg["timeout"])[0],
         ),
         ("offload", lambda: offload_body_all(cfg["offload"], WORLD_SIZE)),
         (
