@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2.runtime import replica_slices
 
 pytestmark = fsdp2_only  # fsdp2's own option (refused for upstream's parameters: test_refusals)
 
@@ -231,6 +232,25 @@ def _state_dict_round_trip(rank, world_size):
         _assert_equal(expected, _fulls(m, handle))
 
 
+def _remove(rank, world_size):
+    """handle.remove() gathers the slices' state back: plain HSDP from there, bit-identical."""
+    (plain, p_opt, p_h), (model, opt, h) = _pair(23, _mesh(), OPTIMS["adamw"])
+    for m, o in ((plain, p_opt), (model, opt)):
+        _train(m, o, rank, world_size, 2)
+    h.remove()
+    assert all(replica_slices.slices_of(p) is None for p in model.parameters())
+    expected = {n: {k: full(v) for k, v in s.items()}
+                for n, s in get_state_dict(plain, p_opt)[1]["state"].items()}
+    got = {n: {k: full(v) for k, v in s.items()}
+           for n, s in get_state_dict(model, opt)[1]["state"].items()}
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        _assert_equal(expected[name], got[name])
+    for m, o in ((plain, p_opt), (model, opt)):
+        _train(m, o, rank, world_size, 1, first=2)
+    _assert_equal(_fulls(plain, p_h), _fulls(model, h))
+
+
 def _refusals(rank, world_size):
     mesh = _mesh()
     model = shard_transformer(build_transformer(seed=17), fully_shard, mesh=mesh)
@@ -290,6 +310,7 @@ CASES = {
     "clip_and_accumulate": _clip_and_accumulate,
     "collectives": _collectives,
     "state_dict": _state_dict_round_trip,
+    "remove": _remove,
     "refusals": _refusals,
 }
 
@@ -313,6 +334,11 @@ def test_collectives(launch_cases):
 def test_state_dict_and_dcp(launch_cases):
     """state_dict() in plain HSDP's layout; DCP checkpoints load across the option both ways."""
     check_case(launch_cases(4, CASES), "state_dict")
+
+
+def test_remove_gathers_the_state_back(launch_cases):
+    """handle.remove(): optimizer.state in plain HSDP's layout, training goes on bit-identical."""
+    check_case(launch_cases(4, CASES), "remove")
 
 
 def test_refusals(launch_cases):

@@ -55,7 +55,12 @@ class LocalShardStepHandle:
         return [] if replicas is None else replicas.state_tensors()
 
     def remove(self) -> None:
-        """Unregister the hooks; state in a host or disk tier comes back into ordinary memory."""
+        """Unregister the hooks; state in a host or disk tier comes back into ordinary memory.
+
+        ``shard_across_replicas``: the slices' state is gathered back into
+        ``optimizer.state`` in plain HSDP's layout (a collective: call it on
+        every rank) and the groups all-reduce again.
+        """
         for hook in self._hooks:
             hook.remove()
         if self._hooks:

@@ -238,6 +238,11 @@ class ReplicaShardedStep:
         self._stepped = []
 
     def close(self) -> None:
+        """Back to plain HSDP: the slices' state gathered into ``optimizer.state`` (a collective)."""
+        self.wait()
+        for p, entry in self._gathered().values():
+            self.optimizer.state[p] = entry
+        self.runs = {}
         for slices in self.slices:
             replica_slices.disable(slices)
 
@@ -249,6 +254,14 @@ class ReplicaShardedStep:
         for g_sd, group in zip(sd["param_groups"], optimizer.param_groups):
             for index, p in zip(g_sd["params"], group["params"]):
                 index_of[id(p)] = index
+        for key, (_, entry) in self._gathered().items():
+            sd["state"][index_of[key]] = entry
+        return sd
+
+    def _gathered(self) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
+        """Each sliced parameter's state in plain HSDP's layout, by ``id``: (parameter, state)."""
+        optimizer = self.optimizer
+        entries: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         tensor_keys, scalar_keys = [], []
         for group in optimizer.param_groups:
             t, s = _probe_keys(optimizer, group)
@@ -292,8 +305,8 @@ class ReplicaShardedStep:
                     shape = local_tensor(p).shape
                     for key, full in gathered.items():
                         entry[key] = dtensor_like(p, full[start : start + n].clone().view(shape))
-                    sd["state"][index_of[id(p)]] = entry
-        return sd
+                    entries[id(p)] = (p, entry)
+        return entries
 
 
 def _first_known(stacked: torch.Tensor) -> torch.Tensor:
