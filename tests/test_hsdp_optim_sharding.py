@@ -1,14 +1,19 @@
 """HSDP with the optimizer state sharded across replicas (``shard_across_replicas=True``).
 
-Each case trains two copies of one model on a 2x2 (replicate, shard) mesh:
-plain HSDP with the flat step, and the option. Parameters must be
-bit-identical at R = 2 (clipping: within one rounding, the norm sums in
-another order), the state held per rank 1/R of plain HSDP's, the collectives
-one reduce-scatter over replicate in place of each all-reduce and one
-all-gather per group after the step. See [Note: Replica slices] in
-fsdp2/runtime/replica_slices.py.
+Each case trains two copies of one model on a (replicate, shard) mesh: plain
+HSDP with the flat step, and the option. Parameters must be bit-identical at
+R = 2 (2x2 at W=4 on gloo; 2x4 at W=8 on torch's threaded process group,
+which runs in a child process), within one rounding at R = 4 (4x1 on gloo,
+4x2 on threads) and with clipping (the norm sums in another order); the state
+held per rank 1/R of plain HSDP's; the collectives one reduce-scatter over
+replicate in place of each all-reduce and one all-gather per group after the
+step. Also: mixed precision, param groups with ``add_param_group`` and a
+scheduler, accumulation with either setter, ``step()`` leaving the
+parameters current (and stale with ``overlap_replica_gather`` until a wait),
+state dicts in plain HSDP's layout, ``handle.remove()`` and the refusals.
+Checkpoints across layouts: test_hsdp_optim_checkpoints.py; streams:
+test_streams.py. See [Note: Replica slices] in fsdp2/runtime/replica_slices.py.
 """
-
 from __future__ import annotations
 
 import copy
