@@ -14,6 +14,7 @@ state dicts in plain HSDP's layout, ``handle.remove()`` and the refusals.
 Checkpoints across layouts: test_hsdp_optim_checkpoints.py; streams:
 test_streams.py. See [Note: Replica slices] in fsdp2/runtime/replica_slices.py.
 """
+
 from __future__ import annotations
 
 import copy
