@@ -36,13 +36,15 @@ from checks import (
 from models import (
     assert_params_match,
     expert_parallel,
+    expert_placement,
     moe_batch,
     moe_loss,
     moe_meshes,
     shard_moe,
     toy_moe,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from fsdp2 import clip_grad_norm_, enable_local_shard_step
 
@@ -54,6 +56,7 @@ if ShardPlacementResult is not None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         ShardPlacementResult as UpstreamResult,
     )
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
 STEPS = 3
 PER_RANK = 8
@@ -231,6 +234,88 @@ def _collective_order(ep, num_experts, setup=None, **kwargs):
     return case
 
 
+_MESHES: dict = {}
+
+
+def _mesh(sizes, names):
+    """One mesh object per layout and process: ``distribute_module`` on a second, equal mesh
+    leaves the parameters on the first, and the SPMD path demands the very mesh object."""
+    if (sizes, names) not in _MESHES:
+        _MESHES[(sizes, names)] = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    return _MESHES[(sizes, names)]
+
+
+def _spmd_sharded(ref, fs, result_cls, dense, sparse, world_size):
+    """torchtitan's full-DTensor recipe: parameters DTensors on their whole mesh, mesh infos
+    from torch's ``_get_mesh_info(mesh, DataParallelMeshDims(...))``: dense on ``dp`` of
+    ``dense``, experts (``Shard(0)`` on ``ep``) on ``efsdp`` of ``sparse``."""
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        experts = layer.moe.experts
+        for name in ("w1", "w2"):
+            full = getattr(experts, name).detach()
+            value = distribute_tensor(full, sparse, [Replicate(), Shard(0)])
+            setattr(experts, name, torch.nn.Parameter(value))
+        layer.moe.ep_group = sparse["ep"].get_group()
+    distribute_module(model, dense)  # the rest: Replicate on dense
+    dims, expert_dims = upstream.DataParallelMeshDims(shard="dp"), upstream.DataParallelMeshDims(
+        shard="efsdp")
+    dp_info, expert_info = _get_mesh_info(dense, dims), _get_mesh_info(sparse, expert_dims)
+    assert dp_info.is_spmd_mesh and expert_info.spmd_mesh is sparse
+    placement = expert_placement(model.layers[0].moe.num_experts, sparse)
+    for layer in model.layers:
+        experts = set(layer.moe.experts.parameters())
+
+        def place(p, experts=experts):
+            if p in experts:
+                return result_cls(placement=placement, mesh_info=expert_info)
+            return result_cls(placement=Shard(0), mesh_info=dp_info)
+
+        fs(layer, mesh=dense, dp_mesh_dims=dims, shard_placement_fn=place)
+    fs(model, mesh=dense, dp_mesh_dims=dims)
+    _set_divide_factor(model, float(world_size))
+    return model
+
+
+def _spmd_parity(ep, num_experts):
+    """DataParallelMeshDims mesh infos: the reference's training, upstream's to the bit."""
+
+    def case(rank, world_size):
+        dense = _mesh((world_size,), ("dp",))
+        sparse = _mesh((world_size // ep, ep), ("efsdp", "ep"))
+
+        def loss_fn(model, batch):  # a sharded model takes its tokens as Replicate DTensors
+            tokens, targets = batch
+            if not isinstance(model.head.weight, DTensor):
+                return moe_loss(model, batch)
+            tokens = DTensor.from_local(tokens, dense, [Replicate()], run_check=False)
+            return torch.nn.functional.cross_entropy(model(tokens).to_local(), targets)
+
+        ref = toy_moe(num_experts=num_experts)
+        batches = [moe_batch(s, PER_RANK * world_size) for s in range(STEPS)]
+        runs = []
+        for fs, result_cls in _impls():
+            model = _spmd_sharded(ref, fs, result_cls, dense, sparse, world_size)
+            w1 = model.layers[0].moe.experts.w1
+            assert w1.device_mesh == sparse, w1.device_mesh
+            efsdp_placement, ep_placement = w1.placements  # Shard(0) on efsdp: a strided shard
+            assert efsdp_placement.dim == expert_placement(num_experts, sparse).dim, w1.placements
+            assert ep_placement == Shard(0), w1.placements
+            assert model.head.weight.device_mesh == dense
+            assert_params_match(ref, model, rtol=0, atol=0)
+            reference = copy.deepcopy(ref)
+            ref_losses, losses = train_steps(reference, model, batches, loss_fn, rank, world_size)
+            assert_losses_match(ref_losses, losses)
+            assert_params_match(reference, model)
+            runs.append((losses, full_params(model)))
+        for losses, params in runs[1:]:
+            assert losses == runs[0][0], (losses, runs[0][0])
+            for name, value in params.items():
+                assert torch.equal(value, runs[0][1][name]), name
+
+    return case
+
+
 def _refusals(rank, world_size):
     """Upstream's classes and messages."""
     dp, sparse = moe_meshes("cpu", 2)
@@ -287,6 +372,8 @@ CASES_4 = {
     # twice on a one-rank group with force-sum reductions)
     "ep4_efsdp1": _parity(4, 4, Shard(0), division="off"),
     "ep1_shard1_plain": _parity(1, 2, Shard(1)),
+    "spmd_ep2_shard0": _spmd_parity(2, 4),
+    "spmd_ep2_shard1": _spmd_parity(2, 2),
     "order_ep2": _collective_order(2, 4),
     "order_ep2_shard1": _collective_order(2, 2),
     "order_prefetch": _collective_order(2, 4, setup=_explicit_prefetch),
