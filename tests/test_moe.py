@@ -25,7 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as upstream
 from _impl import IMPL, ShardPlacementResult, fully_shard
+from _multiproc import run_ranks
 from checks import (
+    ATOL,
+    RTOL,
     assert_losses_match,
     check_case,
     full_params,
@@ -37,16 +40,18 @@ from models import (
     assert_params_match,
     expert_parallel,
     expert_placement,
+    full,
     moe_batch,
     moe_loss,
     moe_meshes,
     shard_moe,
     toy_moe,
 )
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from fsdp2 import clip_grad_norm_, enable_local_shard_step
+from fsdp2 import clip_grad_norm_, enable_local_shard_step, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.skipif(
     ShardPlacementResult is None, reason="torch before 2.12 has no ShardPlacementResult"
@@ -445,3 +450,87 @@ def test_shard_placement_result_is_torchs():
     import fsdp2
 
     assert fsdp2.ShardPlacementResult is UpstreamResult
+
+
+# ---- checkpoints resharded to another world size and another expert mesh
+
+_SAVED_AT, _TOTAL_STEPS = 2, 4
+
+
+def _moe_run(ep, world_size, seed):
+    """(model, optimizer, train): a MoE sharded at ``ep`` and its training loop (global losses)."""
+    dp, sparse = moe_meshes("cpu", ep)
+    division = "off" if ep == world_size > 1 else "world"  # efsdp of one rank: as ep4_efsdp1
+    model = _sharded(toy_moe(seed=seed), fully_shard, ShardPlacementResult, dp, sparse, ep,
+                     world_size, division)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank = dist.get_rank()
+
+    def train(batches):
+        if division == "world":
+            return train_alone(model, batches, moe_loss, rank, world_size, opt)
+        shares = torch.tensor(train_alone(model, batches, _sharded_loss(world_size), rank,
+                                          world_size, opt, mean=False))
+        dist.all_reduce(shares)
+        return shares.tolist()
+
+    return model, opt, train
+
+
+def _full_optim_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as a full tensor, by ``fqn/key``."""
+    _, osd = get_state_dict(model, opt)
+    return {f"{fqn}/{key}": full(value).clone() for fqn, state in osd["state"].items()
+            for key, value in state.items() if torch.is_tensor(value)}
+
+
+def _moe_batches():
+    return [moe_batch(s, 16) for s in range(_TOTAL_STEPS)]  # 16 tokens: any of 1, 2, 4 ranks
+
+
+def _save_moe(rank, world_size, root, ep):
+    """Train, ``save_checkpoint(step=...)``, train on: (uninterrupted losses, saved state)."""
+    model, opt, train = _moe_run(ep, world_size, seed=0)
+    losses = train(_moe_batches()[:_SAVED_AT])
+    saved = full_params(model), _full_optim_state(model, opt)
+    assert any("experts.w1/exp_avg" in k for k in saved[1]), sorted(saved[1])
+    save_checkpoint(root, model, opt, step=_SAVED_AT)
+    losses += train(_moe_batches()[_SAVED_AT:])
+    return losses, saved, full_params(model)
+
+
+def _resume_moe(rank, world_size, root, ep, uninterrupted):
+    """``load_latest`` into a model of other values on another mesh: the saved state to the
+    bit, then the uninterrupted run's losses and parameters."""
+    losses, (params, optim_state), final = uninterrupted
+    model, opt, train = _moe_run(ep, world_size, seed=1)
+    w1 = model.layers[0].moe.experts.w1
+    assert load_latest(root, model, opt) == _SAVED_AT
+    for name, value in full_params(model).items():
+        torch.testing.assert_close(value, params[name], rtol=0, atol=0, msg=name)
+    state = _full_optim_state(model, opt)
+    assert sorted(state) == sorted(optim_state), (sorted(state), sorted(optim_state))
+    for key, value in state.items():
+        torch.testing.assert_close(value, optim_state[key], rtol=0, atol=0, msg=key)
+    resumed = train(_moe_batches()[_SAVED_AT:])
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[_SAVED_AT:]),
+                               rtol=RTOL, atol=ATOL)
+    for name, value in full_params(model).items():
+        torch.testing.assert_close(value, final[name], rtol=RTOL, atol=ATOL, msg=name)
+    return w1.device_mesh.mesh_dim_names, w1.placements
+
+
+def _save_then_resume_at_ep4(rank, world_size, root):
+    uninterrupted = _save_moe(rank, world_size, root, ep=2)
+    dist.barrier()
+    return uninterrupted, _resume_moe(rank, world_size, root, 4, uninterrupted)
+
+
+def test_checkpoint_resharded_to_other_expert_meshes(tmp_path):
+    """save_checkpoint at W=4 (ep=2, efsdp=2); load_latest at W=4 ep=4 (efsdp=1) and at W=2
+    with plain experts on dp: model and AdamW state to the bit, then the same training."""
+    root = str(tmp_path / "moe")
+    uninterrupted, layout = run_ranks(_save_then_resume_at_ep4, 4, root)[0]
+    assert layout[0] == ("efsdp", "ep"), layout
+    layout = run_ranks(_resume_moe, 2, root, 1, uninterrupted)[0]
+    assert layout[0] == ("dp",), layout
