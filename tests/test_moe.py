@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from fsdp2 import clip_grad_norm_, enable_local_shard_step, load_latest, save_checkpoint
+from fsdp2 import Muon, clip_grad_norm_, enable_local_shard_step, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.skipif(
     ShardPlacementResult is None, reason="torch before 2.12 has no ShardPlacementResult"
@@ -183,6 +183,41 @@ def _flat_step(model, ref):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     enable_local_shard_step(opt)
     return {"opts": (torch.optim.AdamW(ref.parameters(), lr=1e-2), opt)}
+
+
+def _muon_experts(ep, num_experts):
+    """fsdp2.Muon on the block matrices of a MoE as fully_shard lays them out (expert stacks
+    split over ep and efsdp), on synthetic full gradients: every matrix, each expert of a
+    stack on its own, equal to the bit to torch.optim.Muon on plain matrices."""
+
+    def case(rank, world_size):
+        dp, sparse = moe_meshes("cpu", ep)
+        ref = toy_moe(num_experts=num_experts)
+        model = _sharded(ref, fully_shard, ShardPlacementResult, dp, sparse, ep, world_size)
+        hidden = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2 and "layers." in n]
+        w1 = dict(hidden)["layers.0.moe.experts.w1"]
+        assert len(w1.placements) == 2 and w1.placements[1] == Shard(0), w1.placements
+        fulls = [full(p.detach()).clone() for _, p in hidden]
+        refs = [torch.nn.Parameter(m) for f in fulls for m in (f.unbind(0) if f.ndim == 3 else [f])]
+        hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+        muon, ref_muon = Muon(hidden, **hyper), torch.optim.Muon(refs, **hyper)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(STEPS):
+            grads = [torch.randn(f.shape, generator=gen) for f in fulls]
+            for (_, p), g in zip(hidden, grads):
+                replicated = distribute_tensor(g, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+                p.grad = replicated.redistribute(p.device_mesh, p.placements)
+            per_matrix = [m for g in grads for m in (g.unbind(0) if g.ndim == 3 else [g])]
+            for q, g in zip(refs, per_matrix):
+                q.grad = g.clone()
+            muon.step()
+            ref_muon.step()
+            got = [full(p.detach()) for _, p in hidden]
+            got = [m for g in got for m in (g.unbind(0) if g.ndim == 3 else [g])]
+            for i, (a, b) in enumerate(zip(got, refs)):
+                assert torch.equal(a, b.detach()), f"step {step}: matrix {i} differs"
+
+    return case
 
 
 def _dcp_round_trip(rank, world_size):
@@ -401,6 +436,8 @@ COMPOSE_4 = {
     "activation_checkpointing": _parity(2, 2, Shard(1), setup=_checkpointed),
     "clip_grad_norm": _parity(2, 4, Shard(0), setup=_clipped),
     "flat_step": _parity(2, 2, Shard(1), setup=_flat_step),
+    "muon_experts_shard0": _muon_experts(2, 4),
+    "muon_experts_shard1": _muon_experts(2, 2),
     "dcp_round_trip": _dcp_round_trip,
 }
 CASES_2 = {
