@@ -356,6 +356,24 @@ def _spmd_parity(ep, num_experts):
     return case
 
 
+def _profile_labels(rank, world_size):
+    """One step's ``FSDP::`` profiler ranges: upstream's labels, ``[pg=N]`` (each group's shard
+    size) on every group of a call with several (``dp`` 4 ranks, ``efsdp`` 2)."""
+    dp, sparse = moe_meshes("cpu", 2)
+    labels = []
+    for fs, result_cls in _impls():
+        model = _sharded(toy_moe(), fs, result_cls, dp, sparse, 2, world_size)
+        tokens, targets = (t.chunk(world_size)[rank] for t in moe_batch(0, PER_RANK * world_size))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            moe_loss(model, (tokens, targets)).backward()
+        labels.append(sorted({e.key for e in prof.key_averages() if e.key.startswith("FSDP::")}))
+    for pg in (2, 4):
+        assert f"FSDP::pre_forward (layers.0) [pg={pg}]" in labels[0], labels[0]
+    assert "FSDP::pre_forward" in labels[0], labels[0]  # the root: one group, no [pg=]
+    for other in labels[1:]:
+        assert other == labels[0], sorted(set(other) ^ set(labels[0]))
+
+
 def _refusals(rank, world_size):
     """Upstream's classes and messages."""
     dp, sparse = moe_meshes("cpu", 2)
@@ -419,6 +437,7 @@ CASES_4 = {
     "order_prefetch": _collective_order(2, 4, setup=_explicit_prefetch),
     "order_raf2": _collective_order(2, 4, reshard_after_forward=2),
     "refusals": _refusals,
+    "profile_labels": _profile_labels,
 }
 _UP = upstream  # upstream's policy objects: fsdp2 accepts them too
 COMPOSE_4 = {
@@ -448,7 +467,8 @@ CASES_2 = {
 }
 
 
-@pytest.mark.parametrize("name", [n for n in CASES_4 if not n.startswith(("order", "refusals"))])
+@pytest.mark.parametrize("name", [n for n in CASES_4
+                                  if not n.startswith(("order", "refusals", "profile"))])
 def test_parity_w4(name, launch_cases):
     """W=4: MoE training equals the reference (and upstream, to the bit)."""
     check_case(launch_cases(4, CASES_4), name)
@@ -480,6 +500,11 @@ def test_refusals(world_size, launch_cases):
     """Same process group under two mesh infos, the three setters, uneven dims, int raf."""
     cases = CASES_4 if world_size == 4 else CASES_2
     check_case(launch_cases(world_size, cases), "refusals")
+
+
+def test_profiler_labels_match_upstream(launch_cases):
+    """Profiler ranges of a module with several groups carry upstream's `` [pg=N]``."""
+    check_case(launch_cases(4, CASES_4), "profile_labels")
 
 
 def test_shard_placement_result_is_torchs():
