@@ -30,6 +30,7 @@ from bench_checkpoint import checkpoint_body  # noqa: E402
 from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
+from bench_moe import moe_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
 from bench_offload import offload_body_all  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
@@ -56,6 +57,9 @@ FULL = {
         "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
     },
     "muon_reps": 5,
+    "moe_shape": {"vocab": 512, "dim": 128, "hidden": 256, "num_experts": 8, "n_layers": 4},
+    "moe_tokens": 256,
+    "moe_steps": 12,
     "divergence_world_size": 16384,
     "small_reps": 8,
     "offload": {
@@ -81,6 +85,9 @@ QUICK = {
         "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
     },
     "muon_reps": 2,
+    "moe_shape": {"vocab": 64, "dim": 32, "hidden": 64, "num_experts": 4, "n_layers": 2},
+    "moe_tokens": 64,
+    "moe_steps": 3,
     "divergence_world_size": 1024,
     "small_reps": 2,
     "offload": {
@@ -92,6 +99,7 @@ QUICK = {
 WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
 MUON_WORLD_SIZE = 4
+MOE_WORLD_SIZE = 4
 MATERIALIZE_WORLD_SIZE = 1024
 
 
@@ -163,6 +171,7 @@ def main() -> None:
                 muon_body, FAKE_WORLD_SIZE, cfg, backend="fake", timeout=cfg["timeout"]
             )[0],
         ),
+        ("moe", lambda: launch(moe_body, MOE_WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
         ("offload", lambda: offload_body_all(cfg["offload"], WORLD_SIZE)),
         (
             "small_params",
