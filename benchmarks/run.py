@@ -31,6 +31,7 @@ from bench_divergence import store_body  # noqa: E402
 from bench_hooks import hooks_body  # noqa: E402
 from bench_hsdp_optim import hsdp_optim_body  # noqa: E402
 from bench_materialize import LLAMA_70B, materialize_body  # noqa: E402
+from bench_moe import moe_body  # noqa: E402
 from bench_muon import muon_body  # noqa: E402
 from bench_offload import offload_body_all  # noqa: E402
 from bench_pipeline import pipeline_body  # noqa: E402
@@ -61,6 +62,9 @@ FULL = {
         "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
     },
     "hsdp_reps": 10,
+    "moe_shape": {"vocab": 512, "dim": 128, "hidden": 256, "num_experts": 8, "n_layers": 4},
+    "moe_tokens": 256,
+    "moe_steps": 12,
     "divergence_world_size": 16384,
     "small_reps": 8,
     "offload": {
@@ -90,6 +94,9 @@ QUICK = {
         "vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden_dim": 352,
     },
     "hsdp_reps": 3,
+    "moe_shape": {"vocab": 64, "dim": 32, "hidden": 64, "num_experts": 4, "n_layers": 2},
+    "moe_tokens": 64,
+    "moe_steps": 3,
     "divergence_world_size": 1024,
     "small_reps": 2,
     "offload": {
@@ -101,6 +108,7 @@ QUICK = {
 WORLD_SIZE = 2
 FAKE_WORLD_SIZE = 8
 MUON_WORLD_SIZE = 4
+MOE_WORLD_SIZE = 4
 MATERIALIZE_WORLD_SIZE = 1024
 HSDP_FAKE_MESH = (8, 128)  # (replicate, shard) for the optimizer-state memory rows
 
@@ -182,6 +190,7 @@ def main() -> None:
             lambda: launch(hsdp_optim_body, HSDP_FAKE_MESH[0] * HSDP_FAKE_MESH[1], cfg,
                            HSDP_FAKE_MESH, backend="fake", timeout=cfg["timeout"])[0],
         ),
+        ("moe", lambda: launch(moe_body, MOE_WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]),
         ("offload", lambda: offload_body_all(cfg["offload"], WORLD_SIZE)),
         (
             "small_params",

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from bench_hsdp_optim import NOTES as HSDP_OPTIM_NOTES
 from bench_hsdp_optim import hsdp_optim_rows as _hsdp_optim_rows
+from bench_moe import NOTES as MOE_NOTES
+from bench_moe import moe_rows as _moe_rows
 from bench_muon import NOTES as MUON_NOTES
 from bench_muon import muon_rows as _muon_rows
 from bench_small_params import small_params_rows as _small_params_rows
@@ -288,15 +290,15 @@ NOTES = """\
   fully_shard; ref = fsdp2's modules under torch's plain PipelineStage.
 - optimizer rows: the fsdp2 column uses fsdp2.enable_local_shard_step (bitwise the same
   AdamW update) and fsdp2.clip_grad_norm_; torch and DDP the stock torch functions."""
-NOTES += "\n" + MUON_NOTES + "\n" + HSDP_OPTIM_NOTES
+NOTES += "\n" + MUON_NOTES + "\n" + HSDP_OPTIM_NOTES + "\n" + MOE_NOTES
 
 
 def build_rows(raw: dict) -> list[dict]:
     rows = []
     for make in (
         _step_rows, _hook_rows, _bytes_rows, _optim_rows, _materialize_rows, _pipeline_rows,
-        _checkpoint_rows, _muon_rows, _hsdp_optim_rows, _offload_rows, _divergence_rows,
-        _small_params_rows,
+        _checkpoint_rows, _muon_rows, _hsdp_optim_rows, _moe_rows, _offload_rows,
+        _divergence_rows, _small_params_rows,
     ):
         try:
             rows += make(raw)

@@ -76,7 +76,13 @@ class MoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None  # set by expert_parallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, expert = self.router(x).softmax(-1).max(-1)
+        if isinstance(x, DTensor):  # a full-DTensor model (dp_mesh_dims): route the local tokens
+            out = self._route(x.to_local(), self.router(x).to_local())
+            return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+        return self._route(x, self.router(x))
+
+    def _route(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        gate, expert = logits.softmax(-1).max(-1)
         if self.ep_group is None:
             return gate[:, None] * self.experts(x, expert)
         return gate[:, None] * self._all_to_all(x, expert)

@@ -214,8 +214,8 @@ def transformer_loss(model: nn.Module, batch) -> torch.Tensor:
 # examples/moe.py's model at a toy size: vocab 13, dim 8, expert hidden 12,
 # top-1 routing, experts split over an expert-parallel mesh by all-to-all.
 
-build_moe, moe_meshes, expert_parallel, shard_moe = (
-    _moe.build_moe, _moe.moe_meshes, _moe.expert_parallel, _moe.shard_moe
+build_moe, moe_meshes, expert_parallel, shard_moe, expert_placement = (
+    _moe.build_moe, _moe.moe_meshes, _moe.expert_parallel, _moe.shard_moe, _moe.expert_placement
 )
 
 

@@ -25,7 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as upstream
 from _impl import IMPL, ShardPlacementResult, fully_shard
+from _multiproc import run_ranks
 from checks import (
+    ATOL,
+    RTOL,
     assert_losses_match,
     check_case,
     full_params,
@@ -36,15 +39,19 @@ from checks import (
 from models import (
     assert_params_match,
     expert_parallel,
+    expert_placement,
+    full,
     moe_batch,
     moe_loss,
     moe_meshes,
     shard_moe,
     toy_moe,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from fsdp2 import clip_grad_norm_, enable_local_shard_step
+from fsdp2 import Muon, clip_grad_norm_, enable_local_shard_step, load_latest, save_checkpoint
 
 pytestmark = pytest.mark.skipif(
     ShardPlacementResult is None, reason="torch before 2.12 has no ShardPlacementResult"
@@ -54,6 +61,7 @@ if ShardPlacementResult is not None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         ShardPlacementResult as UpstreamResult,
     )
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
 STEPS = 3
 PER_RANK = 8
@@ -177,6 +185,41 @@ def _flat_step(model, ref):
     return {"opts": (torch.optim.AdamW(ref.parameters(), lr=1e-2), opt)}
 
 
+def _muon_experts(ep, num_experts):
+    """fsdp2.Muon on the block matrices of a MoE as fully_shard lays them out (expert stacks
+    split over ep and efsdp), on synthetic full gradients: every matrix, each expert of a
+    stack on its own, equal to the bit to torch.optim.Muon on plain matrices."""
+
+    def case(rank, world_size):
+        dp, sparse = moe_meshes("cpu", ep)
+        ref = toy_moe(num_experts=num_experts)
+        model = _sharded(ref, fully_shard, ShardPlacementResult, dp, sparse, ep, world_size)
+        hidden = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2 and "layers." in n]
+        w1 = dict(hidden)["layers.0.moe.experts.w1"]
+        assert len(w1.placements) == 2 and w1.placements[1] == Shard(0), w1.placements
+        fulls = [full(p.detach()).clone() for _, p in hidden]
+        refs = [torch.nn.Parameter(m) for f in fulls for m in (f.unbind(0) if f.ndim == 3 else [f])]
+        hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+        muon, ref_muon = Muon(hidden, **hyper), torch.optim.Muon(refs, **hyper)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(STEPS):
+            grads = [torch.randn(f.shape, generator=gen) for f in fulls]
+            for (_, p), g in zip(hidden, grads):
+                replicated = distribute_tensor(g, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+                p.grad = replicated.redistribute(p.device_mesh, p.placements)
+            per_matrix = [m for g in grads for m in (g.unbind(0) if g.ndim == 3 else [g])]
+            for q, g in zip(refs, per_matrix):
+                q.grad = g.clone()
+            muon.step()
+            ref_muon.step()
+            got = [full(p.detach()) for _, p in hidden]
+            got = [m for g in got for m in (g.unbind(0) if g.ndim == 3 else [g])]
+            for i, (a, b) in enumerate(zip(got, refs)):
+                assert torch.equal(a, b.detach()), f"step {step}: matrix {i} differs"
+
+    return case
+
+
 def _dcp_round_trip(rank, world_size):
     """state_dict() through DCP into a model of other values: the same parameters, bitwise."""
     dp, sparse = moe_meshes("cpu", 2)
@@ -229,6 +272,106 @@ def _collective_order(ep, num_experts, setup=None, **kwargs):
         assert logs[0] == logs[1], "\n".join(f"{a} | {b}" for a, b in zip(*logs))
 
     return case
+
+
+_MESHES: dict = {}
+
+
+def _mesh(sizes, names):
+    """One mesh object per layout and process: ``distribute_module`` on a second, equal mesh
+    leaves the parameters on the first, and the SPMD path demands the very mesh object."""
+    if (sizes, names) not in _MESHES:
+        _MESHES[(sizes, names)] = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    return _MESHES[(sizes, names)]
+
+
+def _spmd_sharded(ref, fs, result_cls, dense, sparse, world_size):
+    """torchtitan's full-DTensor recipe: parameters DTensors on their whole mesh, mesh infos
+    from torch's ``_get_mesh_info(mesh, DataParallelMeshDims(...))``: dense on ``dp`` of
+    ``dense``, experts (``Shard(0)`` on ``ep``) on ``efsdp`` of ``sparse``."""
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        experts = layer.moe.experts
+        for name in ("w1", "w2"):
+            full = getattr(experts, name).detach()
+            value = distribute_tensor(full, sparse, [Replicate(), Shard(0)])
+            setattr(experts, name, torch.nn.Parameter(value))
+        layer.moe.ep_group = sparse["ep"].get_group()
+    distribute_module(model, dense)  # the rest: Replicate on dense
+    dims, expert_dims = upstream.DataParallelMeshDims(shard="dp"), upstream.DataParallelMeshDims(
+        shard="efsdp")
+    dp_info, expert_info = _get_mesh_info(dense, dims), _get_mesh_info(sparse, expert_dims)
+    assert dp_info.is_spmd_mesh and expert_info.spmd_mesh is sparse
+    placement = expert_placement(model.layers[0].moe.num_experts, sparse)
+    for layer in model.layers:
+        experts = set(layer.moe.experts.parameters())
+
+        def place(p, experts=experts):
+            if p in experts:
+                return result_cls(placement=placement, mesh_info=expert_info)
+            return result_cls(placement=Shard(0), mesh_info=dp_info)
+
+        fs(layer, mesh=dense, dp_mesh_dims=dims, shard_placement_fn=place)
+    fs(model, mesh=dense, dp_mesh_dims=dims)
+    _set_divide_factor(model, float(world_size))
+    return model
+
+
+def _spmd_parity(ep, num_experts):
+    """DataParallelMeshDims mesh infos: the reference's training, upstream's to the bit."""
+
+    def case(rank, world_size):
+        dense = _mesh((world_size,), ("dp",))
+        sparse = _mesh((world_size // ep, ep), ("efsdp", "ep"))
+
+        def loss_fn(model, batch):  # a sharded model takes its tokens as Replicate DTensors
+            tokens, targets = batch
+            if not isinstance(model.head.weight, DTensor):
+                return moe_loss(model, batch)
+            tokens = DTensor.from_local(tokens, dense, [Replicate()], run_check=False)
+            return torch.nn.functional.cross_entropy(model(tokens).to_local(), targets)
+
+        ref = toy_moe(num_experts=num_experts)
+        batches = [moe_batch(s, PER_RANK * world_size) for s in range(STEPS)]
+        runs = []
+        for fs, result_cls in _impls():
+            model = _spmd_sharded(ref, fs, result_cls, dense, sparse, world_size)
+            w1 = model.layers[0].moe.experts.w1
+            assert w1.device_mesh == sparse, w1.device_mesh
+            efsdp_placement, ep_placement = w1.placements  # Shard(0) on efsdp: a strided shard
+            assert efsdp_placement.dim == expert_placement(num_experts, sparse).dim, w1.placements
+            assert ep_placement == Shard(0), w1.placements
+            assert model.head.weight.device_mesh == dense
+            assert_params_match(ref, model, rtol=0, atol=0)
+            reference = copy.deepcopy(ref)
+            ref_losses, losses = train_steps(reference, model, batches, loss_fn, rank, world_size)
+            assert_losses_match(ref_losses, losses)
+            assert_params_match(reference, model)
+            runs.append((losses, full_params(model)))
+        for losses, params in runs[1:]:
+            assert losses == runs[0][0], (losses, runs[0][0])
+            for name, value in params.items():
+                assert torch.equal(value, runs[0][1][name]), name
+
+    return case
+
+
+def _profile_labels(rank, world_size):
+    """One step's ``FSDP::`` profiler ranges: upstream's labels, ``[pg=N]`` (each group's shard
+    size) on every group of a call with several (``dp`` 4 ranks, ``efsdp`` 2)."""
+    dp, sparse = moe_meshes("cpu", 2)
+    labels = []
+    for fs, result_cls in _impls():
+        model = _sharded(toy_moe(), fs, result_cls, dp, sparse, 2, world_size)
+        tokens, targets = (t.chunk(world_size)[rank] for t in moe_batch(0, PER_RANK * world_size))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            moe_loss(model, (tokens, targets)).backward()
+        labels.append(sorted({e.key for e in prof.key_averages() if e.key.startswith("FSDP::")}))
+    for pg in (2, 4):
+        assert f"FSDP::pre_forward (layers.0) [pg={pg}]" in labels[0], labels[0]
+    assert "FSDP::pre_forward" in labels[0], labels[0]  # the root: one group, no [pg=]
+    for other in labels[1:]:
+        assert other == labels[0], sorted(set(other) ^ set(labels[0]))
 
 
 def _refusals(rank, world_size):
@@ -287,11 +430,14 @@ CASES_4 = {
     # twice on a one-rank group with force-sum reductions)
     "ep4_efsdp1": _parity(4, 4, Shard(0), division="off"),
     "ep1_shard1_plain": _parity(1, 2, Shard(1)),
+    "spmd_ep2_shard0": _spmd_parity(2, 4),
+    "spmd_ep2_shard1": _spmd_parity(2, 2),
     "order_ep2": _collective_order(2, 4),
     "order_ep2_shard1": _collective_order(2, 2),
     "order_prefetch": _collective_order(2, 4, setup=_explicit_prefetch),
     "order_raf2": _collective_order(2, 4, reshard_after_forward=2),
     "refusals": _refusals,
+    "profile_labels": _profile_labels,
 }
 _UP = upstream  # upstream's policy objects: fsdp2 accepts them too
 COMPOSE_4 = {
@@ -309,6 +455,8 @@ COMPOSE_4 = {
     "activation_checkpointing": _parity(2, 2, Shard(1), setup=_checkpointed),
     "clip_grad_norm": _parity(2, 4, Shard(0), setup=_clipped),
     "flat_step": _parity(2, 2, Shard(1), setup=_flat_step),
+    "muon_experts_shard0": _muon_experts(2, 4),
+    "muon_experts_shard1": _muon_experts(2, 2),
     "dcp_round_trip": _dcp_round_trip,
 }
 CASES_2 = {
@@ -319,7 +467,8 @@ CASES_2 = {
 }
 
 
-@pytest.mark.parametrize("name", [n for n in CASES_4 if not n.startswith(("order", "refusals"))])
+@pytest.mark.parametrize("name", [n for n in CASES_4
+                                  if not n.startswith(("order", "refusals", "profile"))])
 def test_parity_w4(name, launch_cases):
     """W=4: MoE training equals the reference (and upstream, to the bit)."""
     check_case(launch_cases(4, CASES_4), name)
@@ -353,8 +502,97 @@ def test_refusals(world_size, launch_cases):
     check_case(launch_cases(world_size, cases), "refusals")
 
 
+def test_profiler_labels_match_upstream(launch_cases):
+    """Profiler ranges of a module with several groups carry upstream's `` [pg=N]``."""
+    check_case(launch_cases(4, CASES_4), "profile_labels")
+
+
 def test_shard_placement_result_is_torchs():
     """fsdp2.ShardPlacementResult is torch's class where torch has it."""
     import fsdp2
 
     assert fsdp2.ShardPlacementResult is UpstreamResult
+
+
+# ---- checkpoints resharded to another world size and another expert mesh
+
+_SAVED_AT, _TOTAL_STEPS = 2, 4
+
+
+def _moe_run(ep, world_size, seed):
+    """(model, optimizer, train): a MoE sharded at ``ep`` and its training loop (global losses)."""
+    dp, sparse = moe_meshes("cpu", ep)
+    division = "off" if ep == world_size > 1 else "world"  # efsdp of one rank: as ep4_efsdp1
+    model = _sharded(toy_moe(seed=seed), fully_shard, ShardPlacementResult, dp, sparse, ep,
+                     world_size, division)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank = dist.get_rank()
+
+    def train(batches):
+        if division == "world":
+            return train_alone(model, batches, moe_loss, rank, world_size, opt)
+        shares = torch.tensor(train_alone(model, batches, _sharded_loss(world_size), rank,
+                                          world_size, opt, mean=False))
+        dist.all_reduce(shares)
+        return shares.tolist()
+
+    return model, opt, train
+
+
+def _full_optim_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as a full tensor, by ``fqn/key``."""
+    _, osd = get_state_dict(model, opt)
+    return {f"{fqn}/{key}": full(value).clone() for fqn, state in osd["state"].items()
+            for key, value in state.items() if torch.is_tensor(value)}
+
+
+def _moe_batches():
+    return [moe_batch(s, 16) for s in range(_TOTAL_STEPS)]  # 16 tokens: any of 1, 2, 4 ranks
+
+
+def _save_moe(rank, world_size, root, ep):
+    """Train, ``save_checkpoint(step=...)``, train on: (uninterrupted losses, saved state)."""
+    model, opt, train = _moe_run(ep, world_size, seed=0)
+    losses = train(_moe_batches()[:_SAVED_AT])
+    saved = full_params(model), _full_optim_state(model, opt)
+    assert any("experts.w1/exp_avg" in k for k in saved[1]), sorted(saved[1])
+    save_checkpoint(root, model, opt, step=_SAVED_AT)
+    losses += train(_moe_batches()[_SAVED_AT:])
+    return losses, saved, full_params(model)
+
+
+def _resume_moe(rank, world_size, root, ep, uninterrupted):
+    """``load_latest`` into a model of other values on another mesh: the saved state to the
+    bit, then the uninterrupted run's losses and parameters."""
+    losses, (params, optim_state), final = uninterrupted
+    model, opt, train = _moe_run(ep, world_size, seed=1)
+    w1 = model.layers[0].moe.experts.w1
+    assert load_latest(root, model, opt) == _SAVED_AT
+    for name, value in full_params(model).items():
+        torch.testing.assert_close(value, params[name], rtol=0, atol=0, msg=name)
+    state = _full_optim_state(model, opt)
+    assert sorted(state) == sorted(optim_state), (sorted(state), sorted(optim_state))
+    for key, value in state.items():
+        torch.testing.assert_close(value, optim_state[key], rtol=0, atol=0, msg=key)
+    resumed = train(_moe_batches()[_SAVED_AT:])
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[_SAVED_AT:]),
+                               rtol=RTOL, atol=ATOL)
+    for name, value in full_params(model).items():
+        torch.testing.assert_close(value, final[name], rtol=RTOL, atol=ATOL, msg=name)
+    return w1.device_mesh.mesh_dim_names, w1.placements
+
+
+def _save_then_resume_at_ep4(rank, world_size, root):
+    uninterrupted = _save_moe(rank, world_size, root, ep=2)
+    dist.barrier()
+    return uninterrupted, _resume_moe(rank, world_size, root, 4, uninterrupted)
+
+
+def test_checkpoint_resharded_to_other_expert_meshes(tmp_path):
+    """save_checkpoint at W=4 (ep=2, efsdp=2); load_latest at W=4 ep=4 (efsdp=1) and at W=2
+    with plain experts on dp: model and AdamW state to the bit, then the same training."""
+    root = str(tmp_path / "moe")
+    uninterrupted, layout = run_ranks(_save_then_resume_at_ep4, 4, root)[0]
+    assert layout[0] == ("efsdp", "ep"), layout
+    layout = run_ranks(_resume_moe, 2, root, 1, uninterrupted)[0]
+    assert layout[0] == ("dp",), layout

@@ -68,7 +68,8 @@ class Muon(torch.optim.Optimizer):
     model sharded by ``fully_shard`` (Shard(0) over a 1-D mesh, or HSDP's
     (Replicate(), Shard(0))), plain tensors, and 3-D stacks of matrices
     (expert weights: one matrix per leading index, each stepped as
-    ``torch.optim.Muon`` steps a 2-D parameter). Each matrix is
+    ``torch.optim.Muon`` steps a 2-D parameter), expert-parallel ones too
+    (see [Note: Muon on expert-parallel stacks] in muon_plan.py). Each matrix is
     orthogonalized on one owner rank of its shard group; see [Note: Muon on
     sharded parameters]. Pass named parameters to get names in errors.
 

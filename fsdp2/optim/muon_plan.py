@@ -19,6 +19,17 @@ they are, and the greedy starts from that load.
 
 A plain tensor or an all-``Replicate`` DTensor is whole on every rank; every
 rank orthogonalizes it, as ``torch.optim.Muon`` would.
+
+[Note: Muon on expert-parallel stacks]
+A mixture-of-experts stack ``(E, out, in)`` sharded as torchtitan shards it
+is split over two mesh dims: ``ep`` hands each rank a block of experts
+(``Shard(0)``), FSDP's ``efsdp`` then splits either the experts again
+(``Shard(0)``, which DTensor records as ``_StridedShard(0)`` on ``efsdp``) or
+each expert's rows (``Shard(1)``). Mesh dims that split the expert dim never
+cut a matrix, so they need no communication: a rank's local stack is whole
+experts of its own. Only a mesh dim on a matrix dim (at most one) moves rows,
+over its own group, with the *local* experts as the stack; every rank of
+that group holds the same experts, since they share their ``ep`` coordinate.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import strided_split_factor
+from .._torch_compat import local_tensor, strided_split_factor
 
 __all__ = ["MuonLoad", "Plan", "assign_owners", "check_param", "layout_of"]
 
@@ -48,6 +59,9 @@ class ParamLayout:
     shard_dim: int | None = None  # tensor dim the group splits
     sizes: list[int] = field(default_factory=list)  # rows (or columns) per rank, torch.chunk
     comm_device: torch.device | None = None  # where collectives and Newton-Schulz run
+    # experts this rank steps (a 3-D stack whose expert dim is split over other mesh dims
+    # holds fewer than p.shape[0]); None: p.shape[0]
+    local_experts: int | None = None
 
     @property
     def offsets(self) -> list[int]:
@@ -114,6 +128,9 @@ def check_param(p: torch.Tensor, name: str) -> None:
         return
     placements = p.placements
     where = f"parameter {name} (shape {tuple(p.shape)}, placements {tuple(placements)})"
+    expert_dims, _ = _expert_parallel_dims(p)
+    if expert_dims:  # see [Note: Muon on expert-parallel stacks]
+        placements = tuple(pl for i, pl in enumerate(placements) if i not in expert_dims)
     if any(strided_split_factor(pl) is not None for pl in placements):
         raise NotImplementedError(
             f"fsdp2.Muon: {where} is sharded by tensor parallelism and FSDP on the same dim; "
@@ -152,6 +169,28 @@ def check_param(p: torch.Tensor, name: str) -> None:
         )
 
 
+def _splits_dim0(placement) -> bool:
+    """Whether ``placement`` splits tensor dim 0 (``Shard(0)`` or a strided shard of it)."""
+    if strided_split_factor(placement) is not None or placement.is_shard():
+        return placement.dim == 0
+    return False
+
+
+def _expert_parallel_dims(p: DTensor) -> tuple[list[int], int | None]:
+    """(mesh dims splitting the expert dim, the one mesh dim splitting rows) of an expert-
+    parallel stack: a 3-D DTensor sharded over more than one mesh dim, at least one of them
+    on dim 0; ``([], None)`` for anything else (see [Note: Muon on expert-parallel stacks])."""
+    if p.dim() != 3:
+        return [], None
+    sharded = [i for i, pl in enumerate(p.placements)
+               if pl.is_shard() or strided_split_factor(pl) is not None]
+    experts = [i for i in sharded if _splits_dim0(p.placements[i])]
+    rows = [i for i in sharded if i not in experts]
+    if len(sharded) < 2 or not experts or len(rows) > 1:
+        return [], None
+    return experts, (rows[0] if rows else None)
+
+
 def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
     """The layout of a parameter that passed ``check_param``."""
     from ..runtime.mesh import device_for
@@ -161,6 +200,10 @@ def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
         return layout
     mesh_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
     mesh = p.device_mesh
+    expert_dims, rows_dim = _expert_parallel_dims(p)
+    if expert_dims:  # see [Note: Muon on expert-parallel stacks]
+        layout.local_experts = local_tensor(p).shape[0]
+        mesh_dims = [rows_dim] if rows_dim is not None else []
     if not mesh_dims or mesh.size(mesh_dims[0]) == 1:
         layout.comm_device = device_for(mesh)
         return layout
@@ -195,7 +238,8 @@ def assign_owners(layouts: list[ParamLayout], ns_steps: list[int]) -> Plan:
     for layout, steps in zip(layouts, ns_steps):
         cost = ns_cost(layout.matrix_shape, steps)
         p = layout.param
-        experts = [None] if p.dim() == 2 else list(range(p.shape[0]))
+        num_experts = p.shape[0] if layout.local_experts is None else layout.local_experts
+        experts = [None] if p.dim() == 2 else list(range(num_experts))
         if layout.group is None:
             units += [Unit(layout, len(units) + i, e, None, cost) for i, e in enumerate(experts)]
             shared += cost * len(experts)

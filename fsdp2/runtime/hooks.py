@@ -141,7 +141,7 @@ class FSDPState:
         # See [Note: Several groups in one state]; empty when the call manages no parameter
         self.param_groups = param_groups
         for index, group in enumerate(param_groups):
-            group.index, group.count = index, len(param_groups)
+            group.place(index, len(param_groups))
         self.auto_reshard_after_forward = auto_reshard_after_forward
         # Mixed precision casts of this state's module inputs and outputs (None: no cast).
         self._input_dtype = input_cast_dtype(mp_policy)

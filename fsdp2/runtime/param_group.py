@@ -100,6 +100,7 @@ class FSDPParamGroup:
         # This group's place among its state's groups (upstream's _param_group_index and
         # _num_param_groups); see [Note: Per-parameter meshes] in param_meshes.py
         self.index, self.count = 0, 1
+        self.range_pg: int | None = None  # the shard size profiler ranges name, if several
         tp_names = [p.fqn for p in fsdp_params if p.tp_spec is not None]
         if tp_names and post_forward_mesh_info is not None:  # upstream: at the first forward
             raise FSDPNotImplementedError(
@@ -278,7 +279,7 @@ class FSDPParamGroup:
             # the kept post-forward shard was written ('cat') on the compute stream
             ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
-        with record_function("FSDP::all_gather", self.module_fqn):
+        with record_function("FSDP::all_gather", self.module_fqn, pg=self.range_pg):
             if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
@@ -381,7 +382,7 @@ class FSDPParamGroup:
             ctx.wait_event("all_gather->copy_out", ctx.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
-        with record_function("FSDP::all_gather_copy_out", self.module_fqn):
+        with record_function("FSDP::all_gather_copy_out", self.module_fqn, pg=self.range_pg):
             collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
@@ -444,13 +445,13 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         logger.debug("pre_forward %s", self.module_fqn)
         self.step.training_state = TrainingState.FORWARD
-        with record_function("FSDP::pre_forward", self.module_fqn):
+        with record_function("FSDP::pre_forward", self.module_fqn, pg=self.range_pg):
             self.unshard(on_comm_streams=True)
             self.wait_for_unshard()
 
     def post_forward(self) -> None:
         logger.debug("post_forward %s", self.module_fqn)
-        with record_function("FSDP::post_forward", self.module_fqn):
+        with record_function("FSDP::post_forward", self.module_fqn, pg=self.range_pg):
             self._post_forward()
 
     def _post_forward(self) -> None:
@@ -474,13 +475,19 @@ class FSDPParamGroup:
         logger.debug("pre_backward %s", self.module_fqn)
         self.step.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
-            with record_function("FSDP::pre_backward", self.module_fqn):
+            with record_function("FSDP::pre_backward", self.module_fqn, pg=self.range_pg):
                 self.unshard(on_comm_streams=True)
                 self.wait_for_unshard()
         self.reduction.set_grad_dtypes(defer=True)
         if default_prefetch:  # See [Note: Default backward prefetch] in backward_prefetch.py
             prefetch_previous(self)
         return True
+
+    def place(self, index: int, count: int) -> None:
+        """This group is ``index`` of its state's ``count``; with several, upstream's profiler
+        ranges name each group's shard size (``FSDP::pre_forward (layers.0) [pg=2]``)."""
+        self.index, self.count = index, count
+        self.range_pg = self.mesh_info.shard_mesh_size if count > 1 else None
 
     def prefetch(self, in_backward: bool) -> None:
         """Start this group's all-gather early; its pre-forward/pre-backward waits for it."""
@@ -522,14 +529,14 @@ class FSDPParamGroup:
         # Upstream's ranges: an accumulate range and a reshard range where the installed
         # torch's upstream has both, else one reshard range around the whole.
         split = ACCUMULATE_PROFILER_RANGE
-        with record_function("FSDP::post_backward_reshard", fqn, when=not split):
-            with record_function("FSDP::post_backward_accumulate", fqn, when=split):
+        with record_function("FSDP::post_backward_reshard", fqn, when=not split, pg=self.range_pg):
+            with record_function("FSDP::post_backward_accumulate", fqn, when=split, pg=self.range_pg):
                 if not reduce_grads:
                     self.reduction.hold_unsharded_grads()
                 else:  # only these lists hold the gradients: the reduce-scatter frees each
                     with_grad, grads, filled = self.reduction.take_grads(ran)
             if self.settings.reshard_after_backward:
-                with record_function("FSDP::post_backward_reshard", fqn, when=split):
+                with record_function("FSDP::post_backward_reshard", fqn, when=split, pg=self.range_pg):
                     self.reshard()
         if not reduce_grads:
             return
@@ -540,7 +547,7 @@ class FSDPParamGroup:
         if self.layout.mixed:  # requires_grad may have changed since lazy init
             check_grad_dtypes([(p.fqn, p.dtype) for p in with_grad], self.dtypes.orig)
         if grads:
-            with record_function("FSDP::post_backward_reduce", self.module_fqn):
+            with record_function("FSDP::post_backward_reduce", self.module_fqn, pg=self.range_pg):
                 self.reduction.reduce_scatter(
                     with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
                 )
