@@ -23,13 +23,12 @@ parameter-shaped state tensors in one contiguous region per dtype:
   unit's files and faults their pages in, and a writer thread writes the
   units stepped before it back and drops them from the page cache
   (``fsync``, ``DONTNEED``), at most ``units_in_memory`` units at a time.
-  Host memory then holds a few units, not the model's state. What a first
-  step's kernels allocated is freed as each unit ends, and
+  Host memory then holds a few units, not the model's state. What the
+  units' kernels allocated is freed as each unit ends, and
   ``release_free_heap`` hands the heap the C allocator kept for it back to
   the system (glibc keeps freed blocks below its adaptive mmap threshold
-  resident); a steady step trims once, at its end. The space is reserved up
-  front (``posix_fallocate``), so a full disk fails before the first step,
-  not in the middle of one.
+  resident). The space is reserved up front (``posix_fallocate``), so a
+  full disk fails before the first step, not in the middle of one.
 
 What a unit works on (its mapped views, the state a first step creates
 before it moves in) is counted in ``live`` (``LiveBytes``) until freed: a few

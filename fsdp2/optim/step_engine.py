@@ -339,12 +339,12 @@ class StepEngine:
                 tier.prefetch(i + 1)  # read while this unit steps
                 views = tier.views(i)
                 begun = True
-                created = unit_step.step_unit(optimizer, unit, views, state, self.copies, tier.live.hold)
+                unit_step.step_unit(optimizer, unit, views, state, self.copies, tier.live.hold)
                 del views  # the mapping it stepped on goes (the store keeps a fresh one)
-                if disk and created:
-                    # What a first step created is freed once it is in the store, but glibc
-                    # keeps such blocks in its heap, resident, and they pile up unit after
-                    # unit: hand them back now (a steady step trims once, below).
+                if disk:
+                    # What the unit's kernels allocated (and the state a first step created
+                    # before it moved to disk) is freed, but glibc keeps such blocks in its
+                    # heap, resident, and they pile up unit after unit: hand them back now.
                     release_free_heap()
                 unit_step.keep(unit, tier.release(i), state)
             tier.prefetch(0)  # the next step's first unit, read during forward and backward
@@ -352,8 +352,6 @@ class StepEngine:
             if begun:  # some units may have stepped: no later step may build on that
                 self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
             raise
-        if disk:
-            release_free_heap()  # what the units' kernels allocated and freed
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
