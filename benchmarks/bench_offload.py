@@ -3,14 +3,18 @@
 ``python benchmarks/bench_offload.py [--quick]`` (also run.py's ``offload``
 stage). The demo model (``BENCH_SHAPE``, fp32) is sharded by fsdp2 over W=2
 gloo ranks and trained with AdamW(amsgrad=True), whose state (three moments)
-is three times the parameters, in three ways:
+is three times the parameters, in three ways; ``--shape linear`` instead
+trains issue 42's parameter-dominated model at W=1: 24 x ``Linear(2048,
+2048, bias=False)`` (100M parameters, 1,208 MB of state), each layer one
+``fully_shard``, a batch of 16 rows, the loss ``out.square().mean()``:
 
 * ``memory``: ``enable_local_shard_step(optim)``, the state in memory;
 * ``host``: ``offload=OptimizerOffloadPolicy("host")``;
 * ``nvme``: ``offload=OptimizerOffloadPolicy("nvme", directory=<a temp dir>)``.
 
 Peaks: over the first step (state created), over three steps, and with one
-``save_checkpoint`` after them. Step time: one launch, the three trainers' steps interleaved, medians of the
+``save_checkpoint`` after them (also printed per tier, with the step times,
+as the docs' table). Step time: one launch, the three trainers' steps interleaved, medians of the
 slowest rank, for the optimizer step alone and the whole step. Peak resident
 memory: one launch per tier (a process's peak cannot be shared), the peak RSS
 of each rank (``ru_maxrss``) minus its RSS before the model was built, as a
@@ -40,6 +44,27 @@ from model import BENCH_SHAPE, batch, build_model, model_loss
 
 TIERS = ("memory", "host", "nvme")
 QUICK_SHAPE = {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704}
+LINEAR_SHAPE = {"linear_dim": 2048, "n_layers": 24, "rows": 16}  # issue 42's model
+
+
+class Linears(torch.nn.Module):
+    """``n_layers`` x ``Linear(dim, dim, bias=False)`` in a row: parameters, few activations."""
+
+    def __init__(self, dim: int, n_layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim, bias=False) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _build(shape: dict) -> torch.nn.Module:
+    if "linear_dim" in shape:
+        torch.manual_seed(0)
+        return Linears(shape["linear_dim"], shape["n_layers"])
+    return build_model(0, shape)
 
 
 def _rss_mb() -> float:
@@ -58,7 +83,7 @@ class _Run:
 
         self.rank = dist.get_rank()
         self.cfg = cfg
-        self.model = wrap(build_model(0, cfg["shape"]), "fsdp2")
+        self.model = wrap(_build(cfg["shape"]), "fsdp2")
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3, amsgrad=True, foreach=True)
         policy = None
         if tier != "memory":
@@ -69,6 +94,11 @@ class _Run:
 
     def forward_backward(self, i: int) -> None:
         c = self.cfg
+        if "linear_dim" in c["shape"]:
+            g = torch.Generator().manual_seed(1000 * i + self.rank)
+            x = torch.randn(c["shape"]["rows"], c["shape"]["linear_dim"], generator=g)
+            self.model(x).square().mean().backward()
+            return
         tokens, targets = batch(i, self.rank, c["batch"], c["seq"], c["shape"]["vocab_size"])
         model_loss(self.model, tokens, targets).backward()
 
@@ -223,20 +253,40 @@ def rows(raw: dict) -> list[dict]:
     return out
 
 
+def tier_table(raw: dict) -> str:
+    """Per tier, in MB and ms: the peaks and step times (the docs' table)."""
+    t = raw["timing"]
+    lines = ["| | in memory | host tier | NVMe tier |", "|---|---:|---:|---:|"]
+    for label, values in (
+        ("peak RSS over the first step (MB)", [raw[x]["first_step_peak_mb"] for x in TIERS]),
+        ("peak RSS over 3 steps (MB)", [raw[x]["peak_mb"] for x in TIERS]),
+        ("peak RSS with one save_checkpoint (MB)", [raw[x]["save_peak_mb"] for x in TIERS]),
+        ("optimizer step (ms)", [t["opt_ms"][x] for x in TIERS]),
+        ("whole step (ms)", [t["step_ms"][x] for x in TIERS]),
+    ):
+        lines.append(f"| {label} | " + " | ".join(f"{v:,.0f}" for v in values) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shape", choices=("demo", "linear"), default="demo",
+                        help="linear: issue 42's 24 x Linear(2048, 2048) at W=1")
     parser.add_argument("--directory", help="where the nvme tier writes (default: the temp dir)")
     args = parser.parse_args()
+    linear = args.shape == "linear"
+    shape = LINEAR_SHAPE if linear else QUICK_SHAPE if args.quick else BENCH_SHAPE
     cfg = {
-        "shape": QUICK_SHAPE if args.quick else BENCH_SHAPE, "batch": 2, "seq": 64,
-        "warmup": 1, "steps": 3 if args.quick else 6, "unit_bytes": 8 << 20,
+        "shape": shape, "batch": 2, "seq": 64,
+        "warmup": 1, "steps": 3 if args.quick else 6, "unit_bytes": (64 if linear else 8) << 20,
         "timeout": 900, "directory": args.directory,
     }
     from report import markdown
 
-    raw = offload_body_all(cfg)
+    raw = offload_body_all(cfg, world_size=1 if linear else 2)
     print(markdown(rows(raw)))
+    print(tier_table(raw))
     for tier in TIERS:
         print(f"- {tier}: peak RSS {raw[tier]['peak_mb']:.0f} MB per rank over its start; "
               f"parameters {raw[tier]['params_mb']:.1f} MB, state {raw[tier]['state_mb']:.1f} MB")

@@ -87,13 +87,15 @@ def _peaks_body(rank, world_size, tmp):
         unit_bytes = max(u.layout.nbytes() for u in units)
         total = sum(u.layout.nbytes() for u in units)
         assert len(units) == NUM_LAYERS and total >= 8 * unit_bytes
-        bound = 2 * unit_bytes  # the unit stepping: its views, and the state a first step made
+        bound = 2 * unit_bytes  # a unit loading or stepping: its views, and the state a first step made
+        # stepping, the next unit is read ahead (see [Note: Overlapping the disk with the step])
+        step_bound = bound + unit_bytes
 
         _train(model, opt, 1)
-        assert 0 < store.live.peak <= bound, ("first step", store.live.peak, bound, total)
+        assert 0 < store.live.peak <= step_bound, ("first step", store.live.peak, step_bound, total)
         store.live.reset_peak()
         _train(model, opt, 2, first=1)
-        assert store.live.peak <= unit_bytes, ("steady steps", store.live.peak, unit_bytes)
+        assert store.live.peak <= 2 * unit_bytes, ("steady steps", store.live.peak, unit_bytes)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), n
         assert all(torch.equal(a, b) for a, b in zip(_state_of(opt).values(), _state_of(ref_opt).values()))
@@ -117,7 +119,8 @@ def _peaks_body(rank, world_size, tmp):
         for name in ("ckpt", "async"):
             fresh_store.live.reset_peak()
             fsdp2.load_checkpoint(os.path.join(tmp, name), fresh, fresh_opt)
-            assert fresh_store.live.peak <= bound, (name, fresh_store.live.peak, bound)
+            # DCP first creates the state of an optimizer without any by a step (lr=0)
+            assert fresh_store.live.peak <= step_bound, (name, fresh_store.live.peak, step_bound)
             fresh_store.wait()
             assert _mapped_kb(fresh_folder) <= unit_bytes // 1024 + 8, name
             got, want = _state_of(fresh_opt), _state_of(opt)

@@ -18,17 +18,17 @@ parameter-shaped state tensors in one contiguous region per dtype:
 - ``DiskStore``: a file per unit and dtype under the policy's directory (a
   folder per rank). A unit's state tensors are views of a fresh *mapping* of
   its files (``torch.from_file(shared=True)``), which holds no memory until it
-  is touched. Before a unit steps, the kernel is asked to read its files
-  ahead (``posix_fadvise(WILLNEED)``); after it steps, its mapping is
-  replaced by a fresh one and a background thread writes the dirty pages
-  back and drops them from the page cache (``fsync``, ``DONTNEED``), at most
-  ``units_in_memory`` units at a time. Host memory then holds a few units,
-  not the model's state. What the units' kernels allocated is freed as each
-  unit ends; after the step ``release_free_heap`` hands the heap the C
-  allocator kept for it back to the system (glibc keeps freed blocks below
-  its adaptive mmap threshold resident). The space is reserved up front
-  (``posix_fallocate``), so a full disk fails before the first step, not in
-  the middle of one.
+  is touched. The disk works behind the step (see [Note: Overlapping the
+  disk with the step]): while one unit steps, a reader thread maps the next
+  unit's files and faults their pages in, and a writer thread writes the
+  units stepped before it back and drops them from the page cache
+  (``fsync``, ``DONTNEED``), at most ``units_in_memory`` units at a time.
+  Host memory then holds a few units, not the model's state. What the
+  units' kernels allocated is freed as each unit ends, and
+  ``release_free_heap`` hands the heap the C allocator kept for it back to
+  the system (glibc keeps freed blocks below its adaptive mmap threshold
+  resident). The space is reserved up front (``posix_fallocate``), so a
+  full disk fails before the first step, not in the middle of one.
 
 What a unit works on (its mapped views, the state a first step creates
 before it moves in) is counted in ``live`` (``LiveBytes``) until freed: a few
@@ -42,12 +42,41 @@ the model's layout fingerprint): a second live job (or optimizer) on the same
 folder, or files of another model, is refused with the path to clean up; a
 claim whose process is gone (dead, a zombie, or its pid reused) is taken over,
 by the rule of [Note: Claim files] in ``fsdp2/claim_file.py``.
+
+[Note: Overlapping the disk with the step]
+Stepped in plain order, a unit's step would wait for its pages to come off
+the disk (a page fault at a time, on the stepping thread) and for the units
+before it to be written. Instead each unit goes through three threads:
+
+- ``prefetch(u)`` hands unit ``u`` to a reader thread, which maps its files
+  and faults every page in, writable (``madvise(MADV_POPULATE_WRITE)``; a
+  read of one byte per page where the kernel lacks it): the disk reads
+  while the unit before it steps. ``views(u)`` then takes those mappings
+  (waiting if the read is not done), or maps the files itself where nothing
+  was prefetched (the plain order). The engine prefetches unit ``i + 1``
+  before unit ``i`` steps, and unit 0 of the next step as a step ends, so
+  the first unit is read during the next forward and backward.
+- ``release(u)`` hands the unit to the writer thread (``fsync``, then
+  ``DONTNEED``), waiting first for the oldest write while
+  ``units_in_memory`` are in flight.
+
+Bits cannot change: every thread works on shared mappings of the same
+files, so whatever a prefetched mapping holds when its unit steps *is* the
+file (a load, a checkpoint's ``pwrite`` or an earlier step all go through
+the page cache those mappings share). Memory stays bounded: the unit
+stepping, the one read ahead, and ``units_in_memory`` being written back. A
+background thread's error is raised on the stepping thread by the next
+``views``, ``release`` or ``wait`` that needs its result, as the exception
+it was (an ``OSError`` from the disk, ...), never dropped; the step engine
+then refuses to step on a half-stepped state (step_engine.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import functools
 import hashlib
 import os
 import threading
@@ -70,7 +99,7 @@ from ..file_tensors import FileRegion
 __all__ = [
     "DiskStore", "HostStore", "LiveBytes", "MemoryTier", "Slot", "StateTier", "StoreError",
     "UnitLayout",
-    "open_tier", "release_free_heap",
+    "open_tier", "page_in", "release_free_heap",
 ]
 
 
@@ -272,8 +301,10 @@ class DiskStore:
         ]
         self._reserve()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fsdp2-state-writeback")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="fsdp2-state-read")
         self._in_flight = in_flight
         self._pending: deque[Future] = deque()
+        self._read_ahead: dict[int, Future] = {}  # unit -> its mapped, paged-in views
         self._lock = threading.Lock()
         self.live = LiveBytes()
 
@@ -348,7 +379,14 @@ class DiskStore:
     # ---- stepping ---------------------------------------------------------------
 
     def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
-        """Fresh mappings of ``unit``'s files to work on (counted in ``live``)."""
+        """Mappings of ``unit``'s files to work on (counted in ``live``): read ahead, or fresh.
+
+        Raises here, on the calling thread, whatever the read ahead raised.
+        """
+        with self._lock:
+            ahead = self._read_ahead.pop(unit, None)
+        if ahead is not None:
+            return ahead.result()
         views = self._map(unit)
         for v in views.values():
             self.live.hold(v)
@@ -356,11 +394,34 @@ class DiskStore:
 
     def _map(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         """Fresh mappings of ``unit``'s files: no memory until touched."""
-        regions = {
+        return _views(self._regions(unit), self._layouts[unit])
+
+    def _regions(self, unit: int) -> dict[torch.dtype, torch.Tensor]:
+        return {
             dt: torch.from_file(str(path), shared=True, size=self._layouts[unit].numel[dt], dtype=dt)
             for dt, path in self._paths[unit].items()
         }
-        return _views(regions, self._layouts[unit])
+
+    def _read(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
+        """On the reader thread: ``unit``'s files mapped, every page in (see the overlap note)."""
+        self._advise(unit, os.POSIX_FADV_WILLNEED if hasattr(os, "posix_fadvise") else None)
+        regions = self._regions(unit)
+        for region in regions.values():
+            page_in(region)
+        views = _views(regions, self._layouts[unit])
+        for v in views.values():
+            self.live.hold(v)
+        return views
+
+    def _advise(self, unit: int, advice: int | None) -> None:
+        if advice is None:
+            return
+        for path in self._paths[unit].values():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, advice)
+            finally:
+                os.close(fd)
 
     def region(self, unit: int, param: int, key: str) -> FileRegion:
         """Where the state tensor ``key`` of ``unit``'s parameter ``param`` lies in its file."""
@@ -369,14 +430,12 @@ class DiskStore:
         return FileRegion(str(self._paths[unit][slot.dtype]), slot.offset * size, slot.numel * size)
 
     def prefetch(self, unit: int) -> None:
-        """Ask the kernel to start reading ``unit``'s files."""
-        if unit < len(self._paths) and hasattr(os, "posix_fadvise"):
-            for path in self._paths[unit].values():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+        """Start reading ``unit``'s state on the reader thread (once; past the end: nothing)."""
+        if not 0 <= unit < len(self._paths):
+            return
+        with self._lock:
+            if unit not in self._read_ahead:
+                self._read_ahead[unit] = self._reader.submit(self._read, unit)
 
     def release(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         """``unit`` stepped: write its pages back behind us; returns fresh mappings to keep."""
@@ -403,9 +462,52 @@ class DiskStore:
                 self._pending.popleft().result()
 
     def close(self) -> None:
-        self.wait()
-        self._writer.shutdown(wait=True)
-        self._claim_file.release()
+        with self._lock:
+            ahead, self._read_ahead = list(self._read_ahead.values()), {}
+        for future in ahead:  # reads only: nothing of the state is lost with them
+            future.cancel()
+        self._reader.shutdown(wait=True)
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+            self._claim_file.release()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching the data
+
+
+def page_in(region: torch.Tensor) -> None:
+    """Fault every page of the mapped ``region`` in, writable, so that its step takes no fault.
+
+    ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes`` (the call lets go of
+    the GIL); where the kernel or C library lacks it, one byte of each page
+    is read instead (the step's first write to a page then still faults,
+    but without waiting for the disk).
+    """
+    nbytes = region.numel() * region.element_size()
+    if nbytes == 0:
+        return
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None:
+        if madvise(region.data_ptr(), nbytes, _MADV_POPULATE_WRITE) == 0:
+            return
+        if ctypes.get_errno() not in (0, errno.EINVAL):
+            raise OSError(ctypes.get_errno(), f"paging in {nbytes} bytes of optimizer state failed")
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    region.view(torch.uint8)[::page].sum()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (``find_library`` may start a process)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    if hasattr(libc, "madvise"):
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def release_free_heap() -> None:
@@ -416,8 +518,6 @@ def release_free_heap() -> None:
     ``malloc_trim(0)`` from the C library through ``ctypes``; a no-op where
     the library has no such function (musl, macOS).
     """
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -115,6 +115,8 @@ class StepEngine:
         # the last in-memory step's runs whose gradients were views of one flat
         # gradient: (param group, its run's parameters, their .grad objects, the flat gradient)
         self._grad_views: list[tuple[dict, list, list, torch.Tensor]] = []
+        self._half_stepped: int | None = None  # the unit a failed store step stopped at
+        self._failure = ""
         if self.tier.in_units:
             self.after_load(optimizer)  # state the optimizer has already moves into the tier
 
@@ -180,6 +182,7 @@ class StepEngine:
             unit_step.load_unit(unit, tier.views(i), state, self.copies, in_place and in_place(i))
             unit_step.keep(unit, tier.release(i), state)
         self.tier.wait()
+        self._half_stepped = None  # every unit holds the loaded state now
 
     def close(self) -> None:
         """Stop: state in files comes back into ordinary memory, the tier is released."""
@@ -331,17 +334,35 @@ class StepEngine:
                 "optimizer.step(closure) is not supported with OptimizerOffloadPolicy: the "
                 "units step before the closure could run; call the closure, then step()"
             )
+        if self._half_stepped is not None:
+            raise RuntimeError(
+                f"The optimizer state is half stepped: an earlier step failed at unit "
+                f"{self._half_stepped} of {len(self.units)} ({self._failure}), so some units "
+                "stepped and others did not; load a checkpoint (model and optimizer) before "
+                "stepping again"
+            )
         state, tier = optimizer.state, self.tier
-        tier.prefetch(0)
-        for i, unit in enumerate(self.units):
-            tier.prefetch(i + 1)
-            unit_step.step_unit(optimizer, unit, tier.views(i), state, self.copies, tier.live.hold)
-            if isinstance(tier, DiskStore):
-                # What the unit's kernels allocated (and the state a first step created
-                # before it moved to disk) is freed, but glibc keeps such blocks in its
-                # heap, resident, and they pile up unit after unit: hand them back now.
-                release_free_heap()
-            unit_step.keep(unit, tier.release(i), state)
+        disk = isinstance(tier, DiskStore)
+        i, begun = 0, False
+        try:  # See [Note: Overlapping the disk with the step] in state_store.py
+            tier.prefetch(0)  # read during backward by the last step's end, or now
+            for i, unit in enumerate(self.units):
+                tier.prefetch(i + 1)  # read while this unit steps
+                views = tier.views(i)
+                begun = True
+                unit_step.step_unit(optimizer, unit, views, state, self.copies, tier.live.hold)
+                del views  # the mapping it stepped on goes (the store keeps a fresh one)
+                if disk:
+                    # What the unit's kernels allocated (and the state a first step created
+                    # before it moved to disk) is freed, but glibc keeps such blocks in its
+                    # heap, resident, and they pile up unit after unit: hand them back now.
+                    release_free_heap()
+                unit_step.keep(unit, tier.release(i), state)
+            tier.prefetch(0)  # the next step's first unit, read during forward and backward
+        except BaseException as e:
+            if begun:  # some units may have stepped: no later step may build on that
+                self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
+            raise
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
