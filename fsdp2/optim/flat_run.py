@@ -16,9 +16,11 @@ steps in per-parameter pieces, never copying a gradient)
 and each state tensor (``exp_avg``, ...: one buffer per key per run).
 Outside ``step`` the optimizer holds the per-parameter state it holds today:
 DTensors whose local tensors view the run's state buffers (through
-``own_storage``, so each has a storage of its own) and, for scalar state such
-as ``step``, 0-d views of one vector per run that is refreshed after each
-step. ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict`` see
+``own_storage``, so each has a storage of its own; an empty shard gets an
+empty tensor of its own) and, for scalar state such as ``step``, 0-d views
+of one vector per run that is refreshed after each step (each view through
+a storage of its own too, so ``torch.save`` writes what a plain step's
+state writes). ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict`` see
 the same keys, types and values as with the per-parameter step.
 
 Padding (the tail of a slot past the local rows) steps too: its gradient is
@@ -287,13 +289,15 @@ class FlatRun:
             if isinstance(value, torch.Tensor) and value.dim() == 0:
                 vector = value.detach().reshape(1).repeat(len(self.params))
                 scalars.append((vector, value))
-                for i, view in enumerate(views):
-                    view[key] = vector[i]
+                for i, view in enumerate(views):  # each its own storage, as a plain step's
+                    view[key] = own_storage(vector[i : i + 1]).view(())
             elif isinstance(value, torch.Tensor) and value.shape == self.flat.shape:
                 for p, view, off, n in zip(self.params, views, self.offsets, self.numels):
-                    piece = value[off : off + n]
-                    piece = own_storage(piece) if n else piece
-                    view[key] = piece.view(local_tensor(p).shape)
+                    shape = local_tensor(p).shape
+                    if n:
+                        view[key] = own_storage(value[off : off + n]).view(shape)
+                    else:  # an empty shard: a tensor of its own (torch.save reads its storage)
+                        view[key] = value.new_zeros(shape)
             else:  # shared as it is (e.g. a Python number)
                 for view in views:
                     view[key] = value
