@@ -146,7 +146,7 @@ def flat_step_engine(optimizer: torch.optim.Optimizer) -> StepEngine | None:
 def _default_enabled() -> bool:
     if _default_on is not None:
         return _default_on
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "on", "yes")
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _has_closure(args: tuple, kwargs: dict) -> bool:
