@@ -66,7 +66,7 @@ def _loop(models, opts, rank, world_size, steps, *, first=0, closure_at=(), to_n
 def _assert_same_state_dict(got_opt, want_opt):
     got, want = got_opt.state_dict(), want_opt.state_dict()
     assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
+    assert list(got["state"]) == list(want["state"])  # the order too (full state dicts keep it)
     for idx, state in want["state"].items():
         assert list(got["state"][idx]) == list(state), idx
         for key, value in state.items():

@@ -90,6 +90,9 @@ class FlatRun:
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
+        # the .grad objects the last flat_grad() read, when they were views (zero_grad
+        # compares them; one read of a DTensor's .grad per step, not two); taken by the engine
+        self.grad_objects: list[DTensor] | None = None
 
     def still_flat(self) -> bool:
         local = local_tensor(self.params[0])
@@ -108,7 +111,8 @@ class FlatRun:
         gradients, and the run steps in per-parameter pieces (no copy).
         """
         # one pass, no helper calls on the usual path: this runs for every parameter
-        flat, grads = self.flat, []
+        flat, grads, objects = self.flat, [], []
+        self.grad_objects = None
         dtype, numel = flat.dtype, flat.numel()
         base = size = 0
         aligned = True
@@ -130,8 +134,10 @@ class FlatRun:
             ):  # inside g0's storage (checked above), so on its device
                 aligned = False
             grads.append(local)
+            objects.append(g)
         self.grad_was_view = aligned
         if aligned:
+            self.grad_objects = objects
             return g0.as_strided((numel,), (1,), g0.storage_offset())
         return grads
 

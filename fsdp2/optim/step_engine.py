@@ -207,6 +207,9 @@ class StepEngine:
             if not _all_local_steppable(plan.leftovers):
                 continue
             grads = [run.flat_grad() for run in plan.runs]
+            objects = [run.grad_objects for run in plan.runs]  # taken: the runs hold no gradient
+            for run in plan.runs:
+                run.grad_objects = None
             if self.flat_groups_only and (
                 plan.leftovers
                 or not plan.runs
@@ -220,7 +223,7 @@ class StepEngine:
             swapped = _Swapped(group, params)
             stand_ins: list[torch.Tensor] = []
             singles = list(plan.leftovers)
-            for run, grad in zip(plan.runs, grads):
+            for run, grad, grad_objects in zip(plan.runs, grads, objects):
                 sliced = self.replicas.sliced(run, gi) if self.replicas is not None else None
                 if sliced is not None:  # only this replica rank's slice of the run
                     if grad is None:
@@ -238,8 +241,8 @@ class StepEngine:
                 stand_ins += run.attach(state, grad)
                 swapped.runs.append(run)
                 self._new_state |= run.views is None  # its first step: state published after
-                if run.grad_was_view:
-                    self._grad_views.append((group, run.params, [p.grad for p in run.params], grad))
+                if grad_objects is not None:  # views of one flat gradient
+                    self._grad_views.append((group, run.params, grad_objects, grad))
             for p in singles:  # the per-parameter fallback
                 local = local_tensor(p).detach()
                 grad = p.grad
