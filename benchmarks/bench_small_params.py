@@ -144,22 +144,28 @@ def small_params_body(rank: int, world_size: int, cfg: dict) -> dict:
     return out
 
 
-def _profile_flat_step() -> str:
-    """cProfile of one AdamW step as installed (flat) on the small-parameter model (rank 0's text)."""
+def _profile_flat_step(reps: int = 5) -> str:
+    """cProfile of AdamW's ``step()`` + ``zero_grad()`` as installed (flat) on the small model.
+
+    Rank 0's text; ``reps`` steps after a first one, each after its own
+    forward + backward (not profiled).
+    """
     import cProfile
     import io
     import pstats
 
     model = _wrap_small(_small_model(), "fsdp2")
     optim = _optim(model, "fsdp2")
-    model(torch.randn(BATCH, WIDTH)).pow(2).mean().backward()
-    optim.step()
     prof = cProfile.Profile()
-    prof.enable()
-    optim.step()
-    prof.disable()
+    for i in range(reps + 1):
+        model(torch.randn(BATCH, WIDTH)).pow(2).mean().backward()
+        if i:
+            prof.enable()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(16)
     return text.getvalue()
 
 

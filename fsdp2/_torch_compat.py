@@ -21,6 +21,7 @@ fsdp2 has its own, and only recognises upstream's where torch has it.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -73,6 +74,34 @@ def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     (torch 2.4 - 2.15).
     """
     return DTensor(local, template._spec, requires_grad=False)
+
+
+# a parameter spec -> the spec its optimizer state carries (one per value, as torch's step makes)
+_STATE_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
+    """``dtensor_like`` for optimizer state: the spec a plain step's state would carry.
+
+    A plain step makes state with ``torch.zeros_like(param)``; its DTensor
+    spec comes out of the sharding propagator's cache: an object other than
+    the parameter's, shared by the state of every parameter with an equal
+    spec. ``pickle`` (``torch.save``, torchft's transports) writes each object
+    once, so the parameter's own spec would change the bytes a state dict
+    pickles to next to its model's. The spec is taken from that same call,
+    run once per parameter spec on a ``meta`` stand-in (no memory). Wraps
+    ``DTensor(local, spec, ...)``, ``DTensor._spec`` and ``DTensorSpec``
+    caching its hash in ``_hash`` (torch 2.4 - 2.15).
+    """
+    spec = template._spec
+    state_spec = _STATE_SPECS.get(spec)
+    if state_spec is None:
+        probe = DTensor(torch.empty(local.shape, dtype=local.dtype, device="meta"), spec,
+                        requires_grad=False)
+        state_spec = torch.zeros_like(probe, memory_format=torch.preserve_format)._spec
+        hash(state_spec)  # cached in the spec (``_hash``), as the step's next op leaves it
+        _STATE_SPECS[spec] = state_spec
+    return DTensor(local, state_spec, requires_grad=False)
 
 
 def dtensor_parameter(template: DTensor, local: torch.Tensor, requires_grad: bool) -> DTensor:

@@ -66,7 +66,7 @@ def _loop(models, opts, rank, world_size, steps, *, first=0, closure_at=(), to_n
 def _assert_same_state_dict(got_opt, want_opt):
     got, want = got_opt.state_dict(), want_opt.state_dict()
     assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
+    assert list(got["state"]) == list(want["state"])  # the order too (full state dicts keep it)
     for idx, state in want["state"].items():
         assert list(got["state"][idx]) == list(state), idx
         for key, value in state.items():
@@ -176,20 +176,10 @@ def _zero_grad_flat(rank, world_size):
         del grads
 
 
-def _switched_on(body):
-    """``body`` with the default switched on in its rank process (it is opt-in for now)."""
-
-    def case(rank, world_size):
-        fsdp2.set_flat_step_default(True)
-        return body(rank, world_size)
-
-    return case
-
-
-CASES = {
-    "stock-loop-matches-upstream": _switched_on(_stock_loop_matches_upstream),
-    "state-and-edits": _switched_on(_state_and_edits),
-    "zero-grad-flat": _switched_on(_zero_grad_flat),
+CASES = {  # no switch: the default as installed
+    "stock-loop-matches-upstream": _stock_loop_matches_upstream,
+    "state-and-edits": _state_and_edits,
+    "zero-grad-flat": _zero_grad_flat,
 }
 
 
@@ -200,9 +190,9 @@ def test_default_flat_step(world_size, case, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
 
 
-@pytest.mark.parametrize("value", ["0", "1", None])
+@pytest.mark.parametrize("value", ["0", "off", "1", None])
 def test_env_var_switches_it(value):
-    """FSDP2_FLAT_STEP=1: the engine attaches at the first step; =0 or unset: none (opt-in)."""
+    """Unset or FSDP2_FLAT_STEP=1: the engine attaches at the first step; =0 / off: none."""
     code = (
         "import sys; sys.path.insert(0, 'tests')\n"
         "from _multiproc import run_ranks\n"
@@ -212,7 +202,7 @@ def test_env_var_switches_it(value):
         "    m = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())\n"
         "    o = torch.optim.AdamW(m.parameters())\n"
         "    transformer_loss(m, transformer_batch(0, 2)).backward(); o.step()\n"
-        f"    assert (fsdp2.optim.flat_step_engine(o) is not None) == {value == '1'}\n"
+        f"    assert (fsdp2.optim.flat_step_engine(o) is not None) == {value in ('1', None)}\n"
         "if __name__ == '__main__':\n"
         "    run_ranks(body, 1)\n"
     )

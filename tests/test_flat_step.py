@@ -106,8 +106,6 @@ def _step_three_ways(rank, world_size, make, *, steps=3, shard_kw=None, mesh=Non
 
     opts = [make(groups(m)) for m in (ref, flat, slow)]
     fsdp2.disable_flat_step(opts[2])
-    if default:  # opt-in for now (see [Note: The flat step by default])
-        fsdp2.set_flat_step_default(True)
     handle = None if default else fsdp2.enable_local_shard_step(opts[1])
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts] if scheduler else []
     for step in range(steps):

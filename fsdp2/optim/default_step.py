@@ -34,20 +34,19 @@ What stays as without the engine:
 - ``optimizer.state``, ``state_dict()``, ``load_state_dict()``, DCP,
   ``torch.save`` and schedulers see what they see with
   ``enable_local_shard_step`` (see [Note: Flat optimizer steps] in flat_run.py):
-  the same keys, types and values as the optimizer's own step.
+  the same keys, types and values as the optimizer's own step, the keys in
+  its order (``_keep_key_order`` in step_engine.py), every tensor with a
+  storage of its own and DTensor specs made as its step makes them
+  (``dtensor_state_like`` in _torch_compat.py), so the pickled bytes are
+  the same too. A default that changed any of this would break stacks
+  that never asked for it.
 
-For now the default is *off* and users switch it on: ``FSDP2_FLAT_STEP=1``
-in the environment (read when an optimizer first steps; for stacks one
-cannot edit) or ``set_flat_step_default(True)`` for the process. Turned on
-for every test of the suite it still fails three of them (the order of
-``optimizer.state``'s keys differs from the optimizer's own step, which full
-state dicts compare; ``torch.save`` of the state of a parameter with an
-empty shard, at W=3; the full-state-dict exchange under tensor parallelism),
-so it stays opt-in until those are fixed. ``disable_flat_step(optimizer)``
-keeps one optimizer off; ``FSDP2_FLAT_STEP=0`` or
-``set_flat_step_default(False)`` switches it off again. An explicit
-``enable_local_shard_step(optimizer, ...)`` replaces the default for that
-optimizer.
+It is on unless switched off: ``FSDP2_FLAT_STEP=0`` in the environment (read
+when an optimizer first steps; for stacks one cannot edit) or
+``set_flat_step_default(False)`` for the process (``True`` overrides the
+environment the other way). ``disable_flat_step(optimizer)`` keeps one
+optimizer off. An explicit ``enable_local_shard_step(optimizer, ...)``
+replaces the default for that optimizer.
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ class DefaultStep:
 def set_flat_step_default(enabled: bool) -> None:
     """Turn the flat optimizer step by default on or off for this process.
 
-    On (off by default for now; also ``FSDP2_FLAT_STEP=1``): an elementwise
+    On (the default; ``FSDP2_FLAT_STEP=0`` in the environment is off): an elementwise
     ``torch.optim`` optimizer over parameters sharded by fsdp2's
     ``fully_shard`` steps on the groups' flat shard buffers, the same updates
     bit for bit (see [Note: The flat step by default]). Off: every optimizer
@@ -146,7 +145,7 @@ def flat_step_engine(optimizer: torch.optim.Optimizer) -> StepEngine | None:
 def _default_enabled() -> bool:
     if _default_on is not None:
         return _default_on
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "on", "yes")
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _has_closure(args: tuple, kwargs: dict) -> bool:

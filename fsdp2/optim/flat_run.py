@@ -16,9 +16,11 @@ steps in per-parameter pieces, never copying a gradient)
 and each state tensor (``exp_avg``, ...: one buffer per key per run).
 Outside ``step`` the optimizer holds the per-parameter state it holds today:
 DTensors whose local tensors view the run's state buffers (through
-``own_storage``, so each has a storage of its own) and, for scalar state such
-as ``step``, 0-d views of one vector per run that is refreshed after each
-step. ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict`` see
+``own_storage``, so each has a storage of its own; an empty shard gets an
+empty tensor of its own) and, for scalar state such as ``step``, 0-d views
+of one vector per run that is refreshed after each step (each view through
+a storage of its own too, so ``torch.save`` writes what a plain step's
+state writes). ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict`` see
 the same keys, types and values as with the per-parameter step.
 
 Padding (the tail of a slot past the local rows) steps too: its gradient is
@@ -88,6 +90,9 @@ class FlatRun:
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
+        # the .grad objects the last flat_grad() read, when they were views (zero_grad
+        # compares them; one read of a DTensor's .grad per step, not two); taken by the engine
+        self.grad_objects: list[DTensor] | None = None
 
     def still_flat(self) -> bool:
         local = local_tensor(self.params[0])
@@ -106,7 +111,8 @@ class FlatRun:
         gradients, and the run steps in per-parameter pieces (no copy).
         """
         # one pass, no helper calls on the usual path: this runs for every parameter
-        flat, grads = self.flat, []
+        flat, grads, objects = self.flat, [], []
+        self.grad_objects = None
         dtype, numel = flat.dtype, flat.numel()
         base = size = 0
         aligned = True
@@ -128,8 +134,10 @@ class FlatRun:
             ):  # inside g0's storage (checked above), so on its device
                 aligned = False
             grads.append(local)
+            objects.append(g)
         self.grad_was_view = aligned
         if aligned:
+            self.grad_objects = objects
             return g0.as_strided((numel,), (1,), g0.storage_offset())
         return grads
 
@@ -287,13 +295,15 @@ class FlatRun:
             if isinstance(value, torch.Tensor) and value.dim() == 0:
                 vector = value.detach().reshape(1).repeat(len(self.params))
                 scalars.append((vector, value))
-                for i, view in enumerate(views):
-                    view[key] = vector[i]
+                for i, view in enumerate(views):  # each its own storage, as a plain step's
+                    view[key] = own_storage(vector[i : i + 1]).view(())
             elif isinstance(value, torch.Tensor) and value.shape == self.flat.shape:
                 for p, view, off, n in zip(self.params, views, self.offsets, self.numels):
-                    piece = value[off : off + n]
-                    piece = own_storage(piece) if n else piece
-                    view[key] = piece.view(local_tensor(p).shape)
+                    shape = local_tensor(p).shape
+                    if n:
+                        view[key] = own_storage(value[off : off + n]).view(shape)
+                    else:  # an empty shard: a tensor of its own (torch.save reads its storage)
+                        view[key] = value.new_zeros(shape)
             else:  # shared as it is (e.g. a Python number)
                 for view in views:
                     view[key] = value

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import dtensor_like, local_tensor
+from .._torch_compat import dtensor_state_like, local_tensor
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def publish(state: dict, param: torch.Tensor, values: dict) -> dict:
     if isinstance(param, DTensor):
         shape = local_tensor(param).shape
         values = {
-            k: dtensor_like(param, v)
+            k: dtensor_state_like(param, v)
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
             and v.shape == shape
             else v

@@ -117,6 +117,9 @@ class StepEngine:
         self._grad_views: list[tuple[dict, list, list, torch.Tensor]] = []
         self._half_stepped: int | None = None  # the unit a failed store step stopped at
         self._failure = ""
+        # ``optimizer.state``'s keys before a step that may create state (see _keep_key_order)
+        self._keys_before: list | None = None
+        self._new_state = False  # this step may create state (some run's first step, ...)
         if self.tier.in_units:
             self.after_load(optimizer)  # state the optimizer has already moves into the tier
 
@@ -145,6 +148,8 @@ class StepEngine:
         if self.replicas is not None:
             self.replicas.wait()  # the last step's all-gather lands before this one steps
             self.replicas.track()  # param groups added since
+        self._keys_before = list(optimizer.state)  # keys only: cheap, dropped after the step
+        self._new_state = self.tier.in_units or self.replicas is not None
         if self.tier.in_units:
             self._step_units(optimizer, args, kwargs)
             return
@@ -161,6 +166,9 @@ class StepEngine:
         self._swap_out(optimizer.state)
         if self.replicas is not None:
             self.replicas.after_step()
+        if self._new_state and self._keys_before is not None:
+            _keep_key_order(optimizer, self._keys_before)
+        self._keys_before = None
 
     def after_load(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``load_state_dict``: a store tier copies the loaded state in.
@@ -213,6 +221,9 @@ class StepEngine:
             if not _all_local_steppable(plan.leftovers):
                 continue
             grads = [run.flat_grad() for run in plan.runs]
+            objects = [run.grad_objects for run in plan.runs]  # taken: the runs hold no gradient
+            for run in plan.runs:
+                run.grad_objects = None
             if self.flat_groups_only and (
                 plan.leftovers
                 or not plan.runs
@@ -226,7 +237,7 @@ class StepEngine:
             swapped = _Swapped(group, params)
             stand_ins: list[torch.Tensor] = []
             singles = list(plan.leftovers)
-            for run, grad in zip(plan.runs, grads):
+            for run, grad, grad_objects in zip(plan.runs, grads, objects):
                 sliced = self.replicas.sliced(run, gi) if self.replicas is not None else None
                 if sliced is not None:  # only this replica rank's slice of the run
                     if grad is None:
@@ -243,14 +254,17 @@ class StepEngine:
                     continue
                 stand_ins += run.attach(state, grad)
                 swapped.runs.append(run)
-                if run.grad_was_view:
-                    self._grad_views.append((group, run.params, [p.grad for p in run.params], grad))
+                self._new_state |= run.views is None  # its first step: state published after
+                if grad_objects is not None:  # views of one flat gradient
+                    self._grad_views.append((group, run.params, grad_objects, grad))
             for p in singles:  # the per-parameter fallback
                 local = local_tensor(p).detach()
                 grad = p.grad
                 local.grad = None if grad is None else local_tensor(grad)
-                if p in state:
-                    state[local] = unwrap(state.pop(p))
+                if p in state:  # p's key stays where it is: replaced after the step
+                    state[local] = unwrap(state[p])
+                else:
+                    self._new_state = True
                 swapped.singles.append((p, local))
                 stand_ins.append(local)
             group["params"] = stand_ins
@@ -366,6 +380,29 @@ class StepEngine:
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
+
+
+def _keep_key_order(optimizer: torch.optim.Optimizer, before: list) -> None:
+    """Put ``optimizer.state``'s keys in the order the optimizer's own step leaves them.
+
+    A plain step creates a parameter's state at its first step with a
+    gradient, param group by param group, parameter by parameter, after the
+    keys already there; the engine publishes a run's state after the step,
+    run by run (and runs follow their buffers, not the group). Full state
+    dicts, ``torch.save`` and DCP keep this order, so it is restored here, on
+    the steps that created state (a dict's order changes only by re-inserting).
+    """
+    state = optimizer.state
+    had = set(before)
+    order = [k for k in before if k in state]
+    order += [p for g in optimizer.param_groups for p in g["params"] if p in state and p not in had]
+    if len(order) == len(state) and all(a is b for a, b in zip(order, state)):
+        return
+    placed = set(order)
+    order += [k for k in state if k not in placed]  # not a parameter: left last, as found
+    values = [(k, state.pop(k)) for k in order]
+    for k, v in values:
+        state[k] = v
 
 
 def _all_local_steppable(params: list) -> bool:
