@@ -394,3 +394,28 @@ def assert_full_equal(model: nn.Module, expected: dict[str, torch.Tensor], where
     """Every parameter of ``model`` equals ``expected``'s to the bit."""
     for name, p in model.named_parameters():
         assert torch.equal(full(p.detach()), expected[name]), f"{where}: {name} differs"
+
+
+# ---------------------------------------------------------------- offloaded-state runs
+
+
+def sharded_linear_stack(num_layers: int, dim: int, seed: int) -> nn.Module:
+    """``num_layers`` bias-free ``Linear(dim, dim)``, each its own fsdp2 group, on a 1-D mesh:
+    one optimizer-state unit per layer (the offload tests' model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(num_layers)])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fsdp2.fully_shard(layer, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def square_loss_backward(model: nn.Module, dim: int, step: int) -> None:
+    """Forward and backward of step ``step``'s batch (seeded by the step) with a squared loss."""
+    x = torch.randn(4, dim, generator=torch.Generator().manual_seed(step))
+    model(x).square().sum().backward()

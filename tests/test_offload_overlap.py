@@ -26,7 +26,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from checks import check_case
+from checks import check_case, sharded_linear_stack, square_loss_backward
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -41,15 +41,7 @@ WAIT_S = 60.0  # generous: the machine may be loaded; the plain order never gets
 
 
 def _model(seed: int = 3) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(NUM_LAYERS)])
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fsdp2.fully_shard(layer, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
-    return model
+    return sharded_linear_stack(NUM_LAYERS, DIM, seed)
 
 
 def _optimizer(model: torch.nn.Module, folder: str | None):
@@ -61,8 +53,7 @@ def _optimizer(model: torch.nn.Module, folder: str | None):
 
 
 def _backward(model: torch.nn.Module, i: int) -> None:
-    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(i))
-    model(x).square().sum().backward()
+    square_loss_backward(model, DIM, i)
 
 
 def _state_of(opt) -> list[torch.Tensor]:

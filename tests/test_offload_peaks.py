@@ -16,8 +16,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from _multiproc import run_ranks
+from checks import sharded_linear_stack, square_loss_backward
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -31,21 +31,12 @@ NUM_LAYERS, DIM = 8, 64  # 8 units of one Linear's three AdamW(amsgrad) moments 
 
 
 def _model(seed: int) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(NUM_LAYERS)])
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fsdp2.fully_shard(layer, mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
-    return model
+    return sharded_linear_stack(NUM_LAYERS, DIM, seed)
 
 
 def _train(model, opt, steps, first=0):
     for i in range(first, first + steps):
-        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(i))
-        model(x).square().sum().backward()
+        square_loss_backward(model, DIM, i)
         opt.step()
         opt.zero_grad()
 
