@@ -89,6 +89,8 @@ def write_png(path: str, rows: list[dict], title: str) -> str:
     except ImportError:
         return "matplotlib is not installed: skipped the PNG (pip install matplotlib)"
     rows = [r for r in rows if r["ratio"] is not None]
+    if not rows:  # every stage run failed or has no ratio: nothing to draw
+        return "no row with a ratio: skipped the PNG"
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     names = [r["name"] for r in rows][::-1]
     ratios = [r["ratio"] for r in rows][::-1]
