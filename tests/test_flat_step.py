@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import tempfile
 
 import pytest
@@ -27,6 +28,10 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.optim import flat_run, step_plan
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("FSDP2_TEST_IMPL") == "torch", reason="fsdp2's own feature (flat buffers)"
+)
 
 ADAM_KW = dict(lr=1e-2, weight_decay=0.1)
 OPTIMS = {
