@@ -137,12 +137,17 @@ def _parity(ep, num_experts, placement, steps=STEPS, division="world", shard_kw=
             assert_losses_match(ref_losses, losses)
             assert_params_match(reference, model)
             runs.append((losses, full_params(model)))
-        for losses, params in runs[1:]:
-            assert losses == runs[0][0], (losses, runs[0][0])
-            for name, value in params.items():
-                assert torch.equal(value, runs[0][1][name]), name
+        _assert_runs_bitwise_equal(runs)
 
     return case
+
+
+def _assert_runs_bitwise_equal(runs: list) -> None:
+    """Every run's (losses, full parameters) equals the first run's to the bit."""
+    for losses, params in runs[1:]:
+        assert losses == runs[0][0], (losses, runs[0][0])
+        for name, value in params.items():
+            assert torch.equal(value, runs[0][1][name]), name
 
 
 def _unused_params(model, ref):
@@ -348,10 +353,7 @@ def _spmd_parity(ep, num_experts):
             assert_losses_match(ref_losses, losses)
             assert_params_match(reference, model)
             runs.append((losses, full_params(model)))
-        for losses, params in runs[1:]:
-            assert losses == runs[0][0], (losses, runs[0][0])
-            for name, value in params.items():
-                assert torch.equal(value, runs[0][1][name]), name
+        _assert_runs_bitwise_equal(runs)
 
     return case
 
