@@ -20,7 +20,9 @@ fsdp2 has its own, and only recognises upstream's where torch has it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -63,6 +65,45 @@ def same_dtensor_spec(a: DTensor, b: DTensor) -> bool:
     parameter. Reads ``DTensor._spec`` (torch 2.4 - 2.15).
     """
     return a._spec is b._spec
+
+
+def fast_grad_access() -> Any:
+    """A context in which reading or setting a DTensor parameter's ``.grad`` skips the Python round.
+
+    ``DTensor.__torch_function__`` is torch's disabled implementation, yet a
+    ``.grad`` read or write on a DTensor still goes through the
+    ``__torch_function__`` protocol (about 0.5 us and, when setting ``None``,
+    more): the optimizer step and ``zero_grad`` do it for every parameter.
+    Under ``torch._C.DisableTorchFunctionSubclass`` (torch 2.0 - 2.15) the
+    access is the plain tensor's; torch function *modes* still see it. Where
+    DTensor ever handles ``__torch_function__`` itself, this is a no-op.
+    """
+    if DTensor.__torch_function__ is torch._C._disabled_torch_function_impl:
+        return torch._C.DisableTorchFunctionSubclass()
+    return contextlib.nullcontext()
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (views of views included), or ``None``.
+
+    Wraps ``Tensor._base`` (torch 1.x - 2.15): the flat step finds the
+    reduce-scatter output its gradients view without making a tensor.
+    """
+    return tensor._base
+
+
+def same_dtensor_specs(a: list[DTensor], b: list[DTensor]) -> bool:
+    """``same_dtensor_spec`` over two lists, looped in C (the flat step checks every gradient).
+
+    Reads ``DTensor._spec`` (torch 2.4 - 2.15).
+    """
+    spec = operator.attrgetter("_spec")
+    return all(map(operator.is_, map(spec, a), map(spec, b)))
+
+
+def local_tensors(dtensors: list[DTensor]) -> list[torch.Tensor]:
+    """``local_tensor`` of each, looped in C. Reads ``DTensor._local_tensor`` (torch 2.4 - 2.15)."""
+    return list(map(operator.attrgetter("_local_tensor"), dtensors))
 
 
 def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:

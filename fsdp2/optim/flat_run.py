@@ -36,9 +36,12 @@ optimizer runs a handful of kernels per tensor (AdamW: ~8, two of them
 allocating temporaries), each streaming the whole tensor. A whole run (a
 block's parameters, megabytes) falls out of the cache between kernels and
 made the flat step 1.5-1.9x slower than the per-parameter step on the demo
-model; pieces of 256 KiB stay in L2 across the kernels and cost one kernel
-call each. Elementwise, so the bits are the same; piece starts are multiples
-of the vector width, so fused kernels round as on the whole run.
+model. Pieces of 256 Ki elements (1 MiB in fp32, a core's L2 on the
+benchmark machine) were the fastest of 8 Ki - 1 Mi on the demo model at
+W = 1 and 2 (0.83x and 0.96x the per-parameter step; 64 Ki: 0.93x and 1.04x)
+and cost one kernel call each. Elementwise, so the bits are the same; piece
+starts are multiples of the vector width, so fused kernels round as on the
+whole run.
 """
 
 from __future__ import annotations
@@ -48,13 +51,20 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import local_tensor, same_dtensor_spec
+from .._torch_compat import (
+    fast_grad_access,
+    local_tensor,
+    local_tensors,
+    same_dtensor_spec,
+    same_dtensor_specs,
+    view_base,
+)
 from ..runtime.flat_shard import flat_slot_of
 from ..runtime.shard_storage import own_storage
 from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
-PIECE_NUMEL = 1 << 16
+PIECE_NUMEL = 1 << 18
 
 class FlatRun:
     """Parameters of one param group whose slots follow each other in one flat buffer.
@@ -76,6 +86,8 @@ class FlatRun:
         scale = buffer.element_size()
         self.offsets = [(s - starts[0]) * scale // local0.element_size() for s in starts]
         self.numels = [local_tensor(p).numel() for p in params]
+        # where each local gradient starts when the run's gradient is one view (see flat_grad)
+        self.byte_offsets = [off * local0.element_size() for off in self.offsets]
         # what the optimizer steps: the run in cache-sized pieces on CPU (see _use_layout)
         self.bounds: list[tuple[int, int]] = []
         self.pieces: list[torch.Tensor] = []
@@ -110,14 +122,42 @@ class FlatRun:
         like the buffer (the reduce-scatter output); otherwise the local
         gradients, and the run steps in per-parameter pieces (no copy).
         """
-        # one pass, no helper calls on the usual path: this runs for every parameter
-        flat, grads, objects = self.flat, [], []
         self.grad_objects = None
+        with fast_grad_access():  # one read of each .grad per step (see the engine's zero_grad)
+            objects = [p.grad for p in self.params]
+        # The usual step: the gradients fsdp2's reduction set, each a view of its
+        # output at its slot's offset. Checked in whole-list operations, looped in C.
+        if all(isinstance(g, DTensor) for g in objects) and same_dtensor_specs(objects, self.params):
+            # the parameters' spec: the same dtype and shapes, so only where they lie is checked
+            grads = local_tensors(objects)
+            g0, flat = grads[0], self.flat
+            base, numel = g0.data_ptr(), flat.numel()
+            output = view_base(g0)
+            if (
+                output is not None
+                and g0.dtype == flat.dtype
+                and output.dim() == 1
+                and output.is_contiguous()
+                and output.device == flat.device
+                and list(map(base.__rsub__, map(torch.Tensor.data_ptr, grads))) == self.byte_offsets
+                and all(map(torch.Tensor.is_contiguous, grads))
+            ):
+                start = g0.storage_offset() - output.storage_offset()
+                if 0 <= start and start + numel <= output.numel():
+                    self.grad_was_view = True
+                    self.grad_objects = objects
+                    if start == 0 and numel == output.numel():
+                        return output
+                    return output.narrow(0, start, numel)
+        return self._checked_grad(objects)
+
+    def _checked_grad(self, objects: list) -> torch.Tensor | list[torch.Tensor] | None:
+        """``flat_grad`` parameter by parameter: other specs, empty shards, copied gradients."""
+        flat, grads = self.flat, []
         dtype, numel = flat.dtype, flat.numel()
         base = size = 0
         aligned = True
-        for p, off in zip(self.params, self.offsets):
-            g = p.grad
+        for g, p, off in zip(objects, self.params, self.offsets):
             if not isinstance(g, DTensor) or not (same_dtensor_spec(g, p) or _same_layout(g, p)):
                 return None
             local = local_tensor(g)
@@ -134,7 +174,6 @@ class FlatRun:
             ):  # inside g0's storage (checked above), so on its device
                 aligned = False
             grads.append(local)
-            objects.append(g)
         self.grad_was_view = aligned
         if aligned:
             self.grad_objects = objects

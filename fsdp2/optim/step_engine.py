@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import local_tensor
+from .._torch_compat import fast_grad_access, local_tensor
 from ..api import OptimizerOffloadPolicy
 from ..file_tensors import MappedFiles
 from . import unit_step
@@ -35,7 +35,15 @@ from .flat_run import FlatRun
 from .replica_sharded_step import ReplicaShardedStep, SlicedRun
 from .state_store import DiskStore, open_tier, release_free_heap
 from .state_views import publish, unwrap
-from .step_plan import GroupPlan, Unit, elementwise_names, is_elementwise, plan_group, plan_units
+from .step_plan import (
+    GroupPlan,
+    Unit,
+    elementwise_names,
+    is_elementwise,
+    loop_in_cpp,
+    plan_group,
+    plan_units,
+)
 
 logger = logging.getLogger("fsdp2.optim.local_shard_step")  # the name users filter on
 
@@ -49,6 +57,7 @@ class _Swapped:
         self.runs: list[FlatRun] = []  # stepped as flat runs
         self.singles: list[tuple[DTensor, torch.Tensor]] = []  # (parameter, its local tensor)
         self.sliced: list[SlicedRun] = []  # HSDP, state sharded across replicas
+        self.foreach_set = False  # foreach=True for this step (see [Note: The C++ loop on CPU])
 
 
 class StepEngine:
@@ -268,6 +277,8 @@ class StepEngine:
                 swapped.singles.append((p, local))
                 stand_ins.append(local)
             group["params"] = stand_ins
+            if loop_in_cpp(optimizer, group, stand_ins):
+                group["foreach"] = swapped.foreach_set = True
             self._swapped.append(swapped)
 
     def _swap_out(self, state: dict) -> None:
@@ -281,6 +292,8 @@ class StepEngine:
                 if local in state:
                     publish(state, p, state.pop(local))
             swapped.group["params"] = swapped.params
+            if swapped.foreach_set:
+                swapped.group["foreach"] = None
         self._swapped = []
 
     # ---- zero_grad: one fill per flat gradient ------------------------------------
@@ -295,15 +308,16 @@ class StepEngine:
         parameters go to ``zero_grad`` (the optimizer's own), as without the engine.
         """
         cleared: dict[int, set[int]] = {}  # id(param group) -> ids of its cleared parameters
-        for group, params, grads, flat in self._grad_views:
-            if set_to_none:  # None whatever they hold now: no check (each .grad read costs
-                for p in params:  # a __torch_function__ round on a DTensor parameter)
-                    p.grad = None
-            elif all(p.grad is g for p, g in zip(params, grads)):
-                flat.zero_()
-            else:
-                continue
-            cleared.setdefault(id(group), set()).update(map(id, params))
+        with fast_grad_access():
+            for group, params, grads, flat in self._grad_views:
+                if set_to_none:  # None whatever they hold now: no check needed
+                    for p in params:
+                        p.grad = None
+                elif all(p.grad is g for p, g in zip(params, grads)):
+                    flat.zero_()
+                else:
+                    continue
+                cleared.setdefault(id(group), set()).update(map(id, params))
         if set_to_none:
             self._grad_views = []  # holds no flat gradient alive
         if not cleared:
