@@ -20,6 +20,7 @@ Either way ``optimizer.state`` holds the views that state_views.py makes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -157,16 +158,23 @@ class StepEngine:
         if self.replicas is not None:
             self.replicas.wait()  # the last step's all-gather lands before this one steps
             self.replicas.track()  # param groups added since
-        self._keys_before = list(optimizer.state)  # keys only: cheap, dropped after the step
+        state = optimizer.state
         self._new_state = self.tier.in_units or self.replicas is not None
+        self._keys_before = list(state) if self._new_state else None
         if self.tier.in_units:
             self._step_units(optimizer, args, kwargs)
             return
+        count = len(state)
         try:
             self._swap_in(optimizer)
         except BaseException:  # a refusal half-way: the groups get their own parameters back
-            self._swap_out(optimizer.state)
+            self._swap_out(state)
             raise
+        if self._new_state and self._keys_before is None:
+            # The swap only appended keys (the stand-ins'), so the first ``count`` are the
+            # keys before the step. Read only on steps that may create state: reading every
+            # key touches every parameter object, about 1 us each after a backward.
+            self._keys_before = list(itertools.islice(state, count))
 
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         for g, params in zip(optimizer.param_groups, self._held):
