@@ -79,10 +79,22 @@ def _assert_same_state_dict(got_opt, want_opt):
 
 
 def _stock_loop_matches_upstream(rank, world_size):
+    import torch.optim.adam as adam_module
+
     ours, theirs = _sharded_pair(lambda m, fs: shard_transformer(m, fs, mesh=cpu_mesh()))
     opts = [torch.optim.AdamW(_groups(m), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in opts]
-    _loop((ours, theirs), opts, rank, world_size, 3, scheds=scheds)
+    # small CPU pieces take the C++ loop (foreach) with the per-tensor loop's bits:
+    # see [Note: The C++ loop on CPU]; upstream's DTensor step keeps the per-tensor loop
+    cpp_loops = []
+    real = adam_module._multi_tensor_adam
+    adam_module._multi_tensor_adam = lambda *a, **k: (cpp_loops.append(1), real(*a, **k))[1]
+    try:
+        _loop((ours, theirs), opts, rank, world_size, 3, scheds=scheds)
+    finally:
+        adam_module._multi_tensor_adam = real
+    assert len(cpp_loops) == 3 * len(opts[0].param_groups), len(cpp_loops)
+    assert all(g["foreach"] is None for o in opts for g in o.param_groups)  # the user's, back
     engine = flat_step_engine(opts[0])
     assert engine is not None, "the default engine must attach at the first step"
     runs = engine.runs()
@@ -212,3 +224,21 @@ def test_env_var_switches_it(value):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cpp_loop_only_where_the_bits_are_the_same():
+    """foreach=True only for the listed optimizers, left to torch, small plain CPU tensors."""
+    from fsdp2.optim.step_plan import CPP_LOOP_MEAN_NUMEL, loop_in_cpp
+
+    small = [torch.zeros(10, requires_grad=True) for _ in range(3)]
+    big = [torch.zeros(CPP_LOOP_MEAN_NUMEL, requires_grad=True)]
+
+    def takes(opt, tensors=small):
+        return loop_in_cpp(opt, opt.param_groups[0], tensors)
+
+    assert takes(torch.optim.AdamW(small)) and takes(torch.optim.SGD(small, lr=0.1))
+    assert not takes(torch.optim.AdamW(big), big)  # the per-tensor loop keeps a tensor in cache
+    assert not takes(torch.optim.AdamW(small, foreach=False))  # the user's choice
+    assert not takes(torch.optim.AdamW(small, lr=torch.tensor(1e-3)))  # another code path
+    assert not takes(torch.optim.NAdam(small)) and not takes(torch.optim.RAdam(small))
+    assert not takes(torch.optim.AdamW(small), [t.to("meta") for t in small])  # not on CPU
