@@ -121,35 +121,35 @@ class FlatRun:
         A view when the gradients' local tensors lie in one region laid out
         like the buffer (the reduce-scatter output); otherwise the local
         gradients, and the run steps in per-parameter pieces (no copy).
+        ``flat_grads`` does the same for several runs at once.
         """
-        self.grad_objects = None
-        with fast_grad_access():  # one read of each .grad per step (see the engine's zero_grad)
-            objects = [p.grad for p in self.params]
-        # The usual step: the gradients fsdp2's reduction set, each a view of its
-        # output at its slot's offset. Checked in whole-list operations, looped in C.
-        if all(isinstance(g, DTensor) for g in objects) and same_dtensor_specs(objects, self.params):
-            # the parameters' spec: the same dtype and shapes, so only where they lie is checked
-            grads = local_tensors(objects)
-            g0, flat = grads[0], self.flat
-            base, numel = g0.data_ptr(), flat.numel()
-            output = view_base(g0)
-            if (
-                output is not None
-                and g0.dtype == flat.dtype
-                and output.dim() == 1
-                and output.is_contiguous()
-                and output.device == flat.device
-                and list(map(base.__rsub__, map(torch.Tensor.data_ptr, grads))) == self.byte_offsets
-                and all(map(torch.Tensor.is_contiguous, grads))
-            ):
-                start = g0.storage_offset() - output.storage_offset()
-                if 0 <= start and start + numel <= output.numel():
-                    self.grad_was_view = True
-                    self.grad_objects = objects
-                    if start == 0 and numel == output.numel():
-                        return output
-                    return output.narrow(0, start, numel)
-        return self._checked_grad(objects)
+        return flat_grads([self])[0]
+
+    def _as_view(self, objects: list, grads: list[torch.Tensor], ptrs: list[int]) -> torch.Tensor | None:
+        """The run's gradient as one view of the reduction's output, if ``grads`` lie as its slots.
+
+        ``objects``: the run's DTensor gradients, already known to carry their
+        parameters' specs (so their dtypes and shapes are the parameters');
+        ``grads``: their local tensors, each contiguous; ``ptrs``: their addresses.
+        """
+        g0, flat = grads[0], self.flat
+        base, numel = ptrs[0], flat.numel()
+        output = view_base(g0)
+        if (
+            output is None
+            or g0.dtype != flat.dtype
+            or output.dim() != 1
+            or not output.is_contiguous()
+            or output.device != flat.device
+            or list(map(base.__rsub__, ptrs)) != self.byte_offsets
+        ):
+            return None
+        start = g0.storage_offset() - output.storage_offset()
+        if start < 0 or start + numel > output.numel():
+            return None
+        self.grad_was_view = True
+        self.grad_objects = objects
+        return output if start == 0 and numel == output.numel() else output.narrow(0, start, numel)
 
     def _checked_grad(self, objects: list) -> torch.Tensor | list[torch.Tensor] | None:
         """``flat_grad`` parameter by parameter: other specs, empty shards, copied gradients."""
@@ -349,6 +349,36 @@ class FlatRun:
         self._scalars = scalars
         self.views = [publish(state, p, view) for p, view in zip(self.params, views)]
         self._state_of = state
+
+
+def flat_grads(runs: list[FlatRun]) -> list[torch.Tensor | list[torch.Tensor] | None]:
+    """``FlatRun.flat_grad`` of each run, the usual step checked for all of them at once.
+
+    The usual step: every ``.grad`` is one fsdp2's reduction set, a view of
+    its output at its slot's offset. The checks run in whole-list operations
+    looped in C (a model of many small parameters has hundreds of runs, and
+    per-parameter Python here cost more than the optimizer's kernels); each
+    ``.grad`` is read once per step (see the engine's ``zero_grad``).
+    """
+    params = [p for run in runs for p in run.params]
+    with fast_grad_access():
+        objects = [p.grad for p in params]
+    usual = all(isinstance(g, DTensor) for g in objects) and same_dtensor_specs(objects, params)
+    if usual:  # the parameters' specs: their dtypes and shapes, so only where they lie is checked
+        grads = local_tensors(objects)
+        usual = all(map(torch.Tensor.is_contiguous, grads))
+        ptrs = list(map(torch.Tensor.data_ptr, grads))
+    if not usual and len(runs) > 1:  # e.g. one parameter without a gradient: run by run
+        return [grad for run in runs for grad in flat_grads([run])]
+    results: list[torch.Tensor | list[torch.Tensor] | None] = []
+    i = 0
+    for run in runs:
+        run.grad_objects = None
+        j = i + len(run.params)
+        view = run._as_view(objects[i:j], grads[i:j], ptrs[i:j]) if usual else None
+        results.append(view if view is not None else run._checked_grad(objects[i:j]))
+        i = j
+    return results
 
 
 def _same_layout(grad: DTensor, param: DTensor) -> bool:

@@ -32,7 +32,7 @@ from .._torch_compat import fast_grad_access, local_tensor
 from ..api import OptimizerOffloadPolicy
 from ..file_tensors import MappedFiles
 from . import unit_step
-from .flat_run import FlatRun
+from .flat_run import FlatRun, flat_grads
 from .replica_sharded_step import ReplicaShardedStep, SlicedRun
 from .state_store import DiskStore, open_tier, release_free_heap
 from .state_views import publish, unwrap
@@ -237,7 +237,7 @@ class StepEngine:
             # runs are DTensors; their gradients are checked as they are gathered
             if not _all_local_steppable(plan.leftovers):
                 continue
-            grads = [run.flat_grad() for run in plan.runs]
+            grads = flat_grads(plan.runs)
             objects = [run.grad_objects for run in plan.runs]  # taken: the runs hold no gradient
             for run in plan.runs:
                 run.grad_objects = None
