@@ -227,18 +227,20 @@ def test_env_var_switches_it(value):
 
 
 def test_cpp_loop_only_where_the_bits_are_the_same():
-    """foreach=True only for the listed optimizers, left to torch, small plain CPU tensors."""
-    from fsdp2.optim.step_plan import CPP_LOOP_MEAN_NUMEL, loop_in_cpp
+    """foreach for small plain CPU tensors, the per-tensor loop for large ones; listed optimizers only."""
+    from fsdp2.optim.step_plan import CPP_LOOP_MEAN_NUMEL, cpu_loop_choice
 
     small = [torch.zeros(10, requires_grad=True) for _ in range(3)]
     big = [torch.zeros(CPP_LOOP_MEAN_NUMEL, requires_grad=True)]
 
-    def takes(opt, tensors=small):
-        return loop_in_cpp(opt, opt.param_groups[0], tensors)
+    def choice(opt, tensors=small):
+        return cpu_loop_choice(opt, opt.param_groups[0], tensors)
 
-    assert takes(torch.optim.AdamW(small)) and takes(torch.optim.SGD(small, lr=0.1))
-    assert not takes(torch.optim.AdamW(big), big)  # the per-tensor loop keeps a tensor in cache
-    assert not takes(torch.optim.AdamW(small, foreach=False))  # the user's choice
-    assert not takes(torch.optim.AdamW(small, lr=torch.tensor(1e-3)))  # another code path
-    assert not takes(torch.optim.NAdam(small)) and not takes(torch.optim.RAdam(small))
-    assert not takes(torch.optim.AdamW(small), [t.to("meta") for t in small])  # not on CPU
+    assert choice(torch.optim.AdamW(small)) is True and choice(torch.optim.SGD(small, lr=0.1)) is True
+    assert choice(torch.optim.AdamW(big), big) is None  # left to torch: its per-tensor loop on CPU
+    assert choice(torch.optim.AdamW(big, foreach=True), big) is False  # kept in cache, same bits
+    assert choice(torch.optim.AdamW(small, foreach=True)) is None  # already the C++ loop
+    assert choice(torch.optim.AdamW(small, foreach=False)) is None  # the user's (memory) choice
+    assert choice(torch.optim.AdamW(small, lr=torch.tensor(1e-3))) is None  # another code path
+    assert choice(torch.optim.NAdam(small)) is None and choice(torch.optim.RAdam(small)) is None
+    assert choice(torch.optim.AdamW(small), [t.to("meta") for t in small]) is None  # not on CPU

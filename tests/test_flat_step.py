@@ -186,6 +186,23 @@ def _in_pieces(name, **kw):
     return case
 
 
+def _large_pieces_foreach(rank, world_size):
+    """foreach=True on pieces counted as large: the per-tensor loop (in cache), the same bits."""
+    import torch.optim.adam as adam_module
+
+    per_tensor = []
+    real = adam_module._single_tensor_adam
+    adam_module._single_tensor_adam = lambda *a, **k: (per_tensor.append(1), real(*a, **k))[1]
+    saved, step_plan.CPP_LOOP_MEAN_NUMEL = step_plan.CPP_LOOP_MEAN_NUMEL, 1
+    try:  # the reference and the DTensor step take the C++ loop the user asked for
+        _, opt, _ = _step_three_ways(rank, world_size, OPTIMS["adamw-foreach"], steps=2)
+    finally:
+        step_plan.CPP_LOOP_MEAN_NUMEL = saved
+        adam_module._single_tensor_adam = real
+    assert len(per_tensor) == 2 * len(opt.param_groups), len(per_tensor)
+    assert all(g["foreach"] is True for g in opt.param_groups)  # the user's, back
+
+
 def _dcp_round_trip(rank, world_size, path):
     """Saved at W=4 after flat steps; loaded at this world size, stepping on bit-identically."""
     model, slow = build_transformer(seed=5), build_transformer(seed=5)
@@ -238,6 +255,7 @@ CASES.update(
         "pieces-adam-amsgrad": _in_pieces("adam"),
         "pieces-sgd-foreach": _in_pieces("sgd-foreach", zero_to_none=False),
         "pieces-missing-grad": _in_pieces("adamw", drop_grad=True, steps=4),
+        "large-pieces-foreach": _large_pieces_foreach,
         # the same, stepped flat by default (no enable_local_shard_step)
         "default-sgd": _case("sgd", default=True, scheduler=True),
         "default-adamw-foreach": _case("adamw-foreach", default=True, zero_to_none=False, clip=True),

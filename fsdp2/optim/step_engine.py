@@ -39,9 +39,9 @@ from .state_views import publish, unwrap
 from .step_plan import (
     GroupPlan,
     Unit,
+    cpu_loop_choice,
     elementwise_names,
     is_elementwise,
-    loop_in_cpp,
     plan_group,
     plan_units,
 )
@@ -58,7 +58,8 @@ class _Swapped:
         self.runs: list[FlatRun] = []  # stepped as flat runs
         self.singles: list[tuple[DTensor, torch.Tensor]] = []  # (parameter, its local tensor)
         self.sliced: list[SlicedRun] = []  # HSDP, state sharded across replicas
-        self.foreach_set = False  # foreach=True for this step (see [Note: The C++ loop on CPU])
+        # (the user's foreach,) when this step takes another (see [Note: The C++ loop on CPU])
+        self.foreach: tuple = ()
 
 
 class StepEngine:
@@ -285,8 +286,10 @@ class StepEngine:
                 swapped.singles.append((p, local))
                 stand_ins.append(local)
             group["params"] = stand_ins
-            if loop_in_cpp(optimizer, group, stand_ins):
-                group["foreach"] = swapped.foreach_set = True
+            foreach = cpu_loop_choice(optimizer, group, stand_ins)
+            if foreach is not None:
+                swapped.foreach = (group["foreach"],)
+                group["foreach"] = foreach
             self._swapped.append(swapped)
 
     def _swap_out(self, state: dict) -> None:
@@ -300,8 +303,8 @@ class StepEngine:
                 if local in state:
                     publish(state, p, state.pop(local))
             swapped.group["params"] = swapped.params
-            if swapped.foreach_set:
-                swapped.group["foreach"] = None
+            if swapped.foreach:
+                swapped.group["foreach"] = swapped.foreach[0]
         self._swapped = []
 
     # ---- zero_grad: one fill per flat gradient ------------------------------------

@@ -51,16 +51,20 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 # kernels. torch's CPU ``_foreach_*`` ops loop over the tensors in C++ calling
 # the very kernels the per-tensor loop calls, and for these optimizers the
 # foreach implementation calls them in the same order with the same scalars
-# (NAdam and RAdam's do not: excluded), so stepping with ``foreach=True`` gives
-# the same bits in about half the time. But the foreach implementation runs
-# each kernel over every tensor before the next kernel, so a tensor no longer
-# stays in the cache across its ~8 kernels (the reason flat runs step in
-# pieces, see flat_run.py): for tensors of 8 Ki elements and more the per-tensor
-# loop is as fast or faster. The engine takes ``foreach=True`` for a group it
-# steps as plain CPU tensors of fewer than ``CPP_LOOP_MEAN_NUMEL`` elements on
-# average, when the user left ``foreach`` to torch. Checked on torch 2.13 and
-# 2.15 (test_flat_step.py compares each of them, bit for bit, with the
-# unsharded and the DTensor step).
+# (NAdam and RAdam's do not: excluded), so the two give the same bits, and
+# which one runs is a matter of speed only. The C++ loop takes about half the
+# time on small tensors. But it runs each kernel over every tensor before the
+# next kernel (and holds a temporary the size of a state for all of them), so
+# a tensor no longer stays in the cache across its ~8 kernels (the reason flat
+# runs step in pieces, see flat_run.py): from 8 Ki elements on, the per-tensor
+# loop is as fast or faster, and leaner. So for a group it steps as plain CPU
+# tensors the engine takes ``foreach=True`` where they average fewer than
+# ``CPP_LOOP_MEAN_NUMEL`` elements and the user left ``foreach`` to torch,
+# and ``foreach=False`` where they are larger and the user asked for
+# ``foreach=True`` (a user's ``foreach=False`` stays: it may be for memory).
+# The group shows the user's value again after the step. Checked on torch
+# 2.13 and 2.15 (test_flat_step.py compares each optimizer, with and without
+# ``foreach=True``, bit for bit with the unsharded and the DTensor step).
 SAME_BITS_FOREACH_ON_CPU: tuple[type, ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -74,23 +78,28 @@ SAME_BITS_FOREACH_ON_CPU: tuple[type, ...] = (
 CPP_LOOP_MEAN_NUMEL = 8192
 
 
-def loop_in_cpp(optimizer: torch.optim.Optimizer, group: dict, tensors: list[torch.Tensor]) -> bool:
-    """Whether ``group``, stepping ``tensors``, should take ``foreach=True`` (see the note)."""
-    if type(optimizer) not in SAME_BITS_FOREACH_ON_CPU or group.get("foreach") is not None:
-        return False
-    if not tensors or sum(t.numel() for t in tensors) >= CPP_LOOP_MEAN_NUMEL * len(tensors):
-        return False
-    if any(t.device.type != "cpu" for t in tensors):
-        return False
+def cpu_loop_choice(
+    optimizer: torch.optim.Optimizer, group: dict, tensors: list[torch.Tensor]
+) -> bool | None:
+    """The ``foreach`` value ``group`` should step ``tensors`` with, or ``None`` to keep its own.
+
+    See [Note: The C++ loop on CPU].
+    """
+    asked = group.get("foreach")
+    if type(optimizer) not in SAME_BITS_FOREACH_ON_CPU or asked is False or not tensors:
+        return None
     if group.get("fused") or group.get("differentiable") or group.get("capturable"):
-        return False
+        return None
+    small = sum(t.numel() for t in tensors) < CPP_LOOP_MEAN_NUMEL * len(tensors)
+    if small == bool(asked) or any(t.device.type != "cpu" for t in tensors):
+        return None
     for key, value in group.items():  # tensor hyperparameters take other code paths
         if key != "params" and (
             isinstance(value, torch.Tensor)
             or (isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value))
         ):
-            return False
-    return True
+            return None
+    return small
 
 
 PARAM_COPY = "__param__"  # a unit's host copy of a device parameter (host tier)
