@@ -86,7 +86,7 @@ class FlatRun:
         scale = buffer.element_size()
         self.offsets = [(s - starts[0]) * scale // local0.element_size() for s in starts]
         self.numels = [local_tensor(p).numel() for p in params]
-        # where each local gradient starts when the run's gradient is one view (see flat_grad)
+        # where each local gradient starts when the run's gradient is one view (see flat_grads)
         self.byte_offsets = [off * local0.element_size() for off in self.offsets]
         # what the optimizer steps: the run in cache-sized pieces on CPU (see _use_layout)
         self.bounds: list[tuple[int, int]] = []
@@ -102,7 +102,7 @@ class FlatRun:
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
-        # the .grad objects the last flat_grad() read, when they were views (zero_grad
+        # the .grad objects the last flat_grads() read, when they were views (zero_grad
         # compares them; one read of a DTensor's .grad per step, not two); taken by the engine
         self.grad_objects: list[DTensor] | None = None
 
@@ -114,16 +114,6 @@ class FlatRun:
         return slot is not None and slot.buffer is self.buffer
 
     # ---- gradients ------------------------------------------------------------
-
-    def flat_grad(self) -> torch.Tensor | list[torch.Tensor] | None:
-        """The run's gradient as one tensor, or ``None`` if some parameter has none.
-
-        A view when the gradients' local tensors lie in one region laid out
-        like the buffer (the reduce-scatter output); otherwise the local
-        gradients, and the run steps in per-parameter pieces (no copy).
-        ``flat_grads`` does the same for several runs at once.
-        """
-        return flat_grads([self])[0]
 
     def _as_view(self, objects: list, grads: list[torch.Tensor], ptrs: list[int]) -> torch.Tensor | None:
         """The run's gradient as one view of the reduction's output, if ``grads`` lie as its slots.
@@ -152,7 +142,7 @@ class FlatRun:
         return output if start == 0 and numel == output.numel() else output.narrow(0, start, numel)
 
     def _checked_grad(self, objects: list) -> torch.Tensor | list[torch.Tensor] | None:
-        """``flat_grad`` parameter by parameter: other specs, empty shards, copied gradients."""
+        """``flat_grads`` for this run, parameter by parameter: other specs, empty shards, copies."""
         flat, grads = self.flat, []
         dtype, numel = flat.dtype, flat.numel()
         base = size = 0
@@ -352,9 +342,11 @@ class FlatRun:
 
 
 def flat_grads(runs: list[FlatRun]) -> list[torch.Tensor | list[torch.Tensor] | None]:
-    """``FlatRun.flat_grad`` of each run, the usual step checked for all of them at once.
+    """Each run's gradient as one tensor, or ``None`` if some parameter of it has none.
 
-    The usual step: every ``.grad`` is one fsdp2's reduction set, a view of
+    A view when the gradients' local tensors lie in one region laid out like
+    the buffer (the reduce-scatter output); otherwise the local gradients, and
+    the run steps in per-parameter pieces (no copy). The usual step: every ``.grad`` is one fsdp2's reduction set, a view of
     its output at its slot's offset. The checks run in whole-list operations
     looped in C (a model of many small parameters has hundreds of runs, and
     per-parameter Python here cost more than the optimizer's kernels); each
