@@ -65,13 +65,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 # The group shows the user's value again after the step. Checked on torch
 # 2.13 and 2.15 (test_flat_step.py compares each optimizer, with and without
 # ``foreach=True``, bit for bit with the unsharded and the DTensor step).
-SAME_BITS_FOREACH_ON_CPU: tuple[type, ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adamax,
+SAME_BITS_FOREACH_ON_CPU: tuple[type, ...] = tuple(
+    c for c in ELEMENTWISE_OPTIMIZERS if c not in (torch.optim.NAdam, torch.optim.RAdam)
 )
 
 
