@@ -102,9 +102,6 @@ class FlatRun:
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
-        # the .grad objects the last flat_grads() read, when they were views (zero_grad
-        # compares them; one read of a DTensor's .grad per step, not two); taken by the engine
-        self.grad_objects: list[DTensor] | None = None
 
     def still_flat(self) -> bool:
         local = local_tensor(self.params[0])
@@ -115,12 +112,12 @@ class FlatRun:
 
     # ---- gradients ------------------------------------------------------------
 
-    def _as_view(self, objects: list, grads: list[torch.Tensor], ptrs: list[int]) -> torch.Tensor | None:
+    def _as_view(self, grads: list[torch.Tensor], ptrs: list[int]) -> torch.Tensor | None:
         """The run's gradient as one view of the reduction's output, if ``grads`` lie as its slots.
 
-        ``objects``: the run's DTensor gradients, already known to carry their
-        parameters' specs (so their dtypes and shapes are the parameters');
-        ``grads``: their local tensors, each contiguous; ``ptrs``: their addresses.
+        ``grads``: the local tensors of the run's DTensor gradients, each
+        contiguous and carrying its parameter's spec (so its dtype and shape);
+        ``ptrs``: their addresses.
         """
         g0, flat = grads[0], self.flat
         base, numel = ptrs[0], flat.numel()
@@ -138,7 +135,6 @@ class FlatRun:
         if start < 0 or start + numel > output.numel():
             return None
         self.grad_was_view = True
-        self.grad_objects = objects
         return output if start == 0 and numel == output.numel() else output.narrow(0, start, numel)
 
     def _checked_grad(self, objects: list) -> torch.Tensor | list[torch.Tensor] | None:
@@ -166,7 +162,6 @@ class FlatRun:
             grads.append(local)
         self.grad_was_view = aligned
         if aligned:
-            self.grad_objects = objects
             return g0.as_strided((numel,), (1,), g0.storage_offset())
         return grads
 
@@ -341,16 +336,18 @@ class FlatRun:
         self._state_of = state
 
 
-def flat_grads(runs: list[FlatRun]) -> list[torch.Tensor | list[torch.Tensor] | None]:
-    """Each run's gradient as one tensor, or ``None`` if some parameter of it has none.
+def flat_grads(runs: list[FlatRun]) -> list[tuple[Any, list[DTensor] | None]]:
+    """Each run's gradient, and the ``.grad`` objects it is one view of (else ``None``).
 
-    A view when the gradients' local tensors lie in one region laid out like
-    the buffer (the reduce-scatter output); otherwise the local gradients, and
-    the run steps in per-parameter pieces (no copy). The usual step: every ``.grad`` is one fsdp2's reduction set, a view of
-    its output at its slot's offset. The checks run in whole-list operations
-    looped in C (a model of many small parameters has hundreds of runs, and
-    per-parameter Python here cost more than the optimizer's kernels); each
-    ``.grad`` is read once per step (see the engine's ``zero_grad``).
+    The gradient: one tensor when the local gradients lie in one region laid
+    out like the buffer (the reduce-scatter output); otherwise the local
+    gradients, and the run steps in per-parameter pieces (no copy); ``None``
+    if some parameter has none. The objects let ``zero_grad`` check the
+    ``.grad``s are still those views without a second read per step. The
+    usual step: every ``.grad`` is one fsdp2's reduction set, a view of its
+    output at its slot's offset, checked in whole-list operations looped in C
+    (a model of many small parameters has hundreds of runs, and per-parameter
+    Python here cost more than the optimizer's kernels).
     """
     params = [p for run in runs for p in run.params]
     with fast_grad_access():
@@ -361,14 +358,16 @@ def flat_grads(runs: list[FlatRun]) -> list[torch.Tensor | list[torch.Tensor] | 
         usual = all(map(torch.Tensor.is_contiguous, grads))
         ptrs = list(map(torch.Tensor.data_ptr, grads))
     if not usual and len(runs) > 1:  # e.g. one parameter without a gradient: run by run
-        return [grad for run in runs for grad in flat_grads([run])]
-    results: list[torch.Tensor | list[torch.Tensor] | None] = []
+        return [result for run in runs for result in flat_grads([run])]
+    results: list[tuple[Any, list[DTensor] | None]] = []
     i = 0
     for run in runs:
-        run.grad_objects = None
         j = i + len(run.params)
-        view = run._as_view(objects[i:j], grads[i:j], ptrs[i:j]) if usual else None
-        results.append(view if view is not None else run._checked_grad(objects[i:j]))
+        mine = objects[i:j]
+        grad = run._as_view(grads[i:j], ptrs[i:j]) if usual else None
+        if grad is None:
+            grad = run._checked_grad(mine)
+        results.append((grad, mine if isinstance(grad, torch.Tensor) else None))
         i = j
     return results
 

@@ -238,10 +238,8 @@ class StepEngine:
             # runs are DTensors; their gradients are checked as they are gathered
             if not _all_local_steppable(plan.leftovers):
                 continue
-            grads = flat_grads(plan.runs)
-            objects = [run.grad_objects for run in plan.runs]  # taken: the runs hold no gradient
-            for run in plan.runs:
-                run.grad_objects = None
+            # each run's gradient, and the .grad objects it views (or None): the runs hold neither
+            grads, objects = zip(*flat_grads(plan.runs)) if plan.runs else ((), ())
             if self.flat_groups_only and (
                 plan.leftovers
                 or not plan.runs
