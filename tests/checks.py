@@ -419,3 +419,20 @@ def square_loss_backward(model: nn.Module, dim: int, step: int) -> None:
     """Forward and backward of step ``step``'s batch (seeded by the step) with a squared loss."""
     x = torch.randn(4, dim, generator=torch.Generator().manual_seed(step))
     model(x).square().sum().backward()
+
+
+def assert_same_optimizer_state(got_opt, want_opt) -> None:
+    """Two optimizers' state dicts are equal: groups, key order, types, placements, values."""
+    got, want = got_opt.state_dict(), want_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"], "param_groups differ"
+    assert list(got["state"]) == list(want["state"]), "state keys (or their order) differ"
+    for idx, state in want["state"].items():
+        assert list(got["state"][idx]) == list(state), idx
+        for key, value in state.items():
+            g = got["state"][idx][key]
+            assert type(g) is type(value), (idx, key)
+            if isinstance(value, DTensor):
+                assert g.placements == value.placements, (idx, key, g.placements)
+                assert torch.equal(g.to_local(), value.to_local()), f"state {idx} {key!r} differs"
+            else:
+                assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (idx, key)

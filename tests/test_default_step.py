@@ -18,7 +18,7 @@ import weakref
 import pytest
 import torch
 from _impl import IMPL
-from checks import check_case
+from checks import assert_same_optimizer_state, check_case
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
@@ -63,21 +63,6 @@ def _loop(models, opts, rank, world_size, steps, *, first=0, closure_at=(), to_n
             assert torch.equal(full(p.detach()), full(q.detach())), f"step {step}: {name} differs"
 
 
-def _assert_same_state_dict(got_opt, want_opt):
-    got, want = got_opt.state_dict(), want_opt.state_dict()
-    assert got["param_groups"] == want["param_groups"]
-    assert list(got["state"]) == list(want["state"])  # the order too (full state dicts keep it)
-    for idx, state in want["state"].items():
-        assert list(got["state"][idx]) == list(state), idx
-        for key, value in state.items():
-            g = got["state"][idx][key]
-            assert type(g) is type(value), (idx, key)
-            if isinstance(value, DTensor):
-                assert g.placements == value.placements and torch.equal(g.to_local(), value.to_local())
-            else:
-                assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (idx, key)
-
-
 def _stock_loop_matches_upstream(rank, world_size):
     import torch.optim.adam as adam_module
 
@@ -101,7 +86,7 @@ def _stock_loop_matches_upstream(rank, world_size):
     assert runs and sum(len(r.params) for r in runs) == len(list(ours.parameters()))
     assert all(r.flat_steps == 3 for r in runs), [r.flat_steps for r in runs]
     assert flat_step_engine(opts[1]) is None  # upstream's parameters: torch's own step
-    _assert_same_state_dict(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1])
 
 
 def _state_and_edits(rank, world_size):
@@ -130,7 +115,7 @@ def _state_and_edits(rank, world_size):
         o.add_param_group(g[1])
         o.param_groups[0]["lr"] = 3e-3
     _loop((flat, slow), opts, rank, world_size, 3, first=1, closure_at=(2,), to_none=False)
-    _assert_same_state_dict(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1])
     # load_state_dict of a torch.save round trip, then more steps
     buffer = io.BytesIO()
     torch.save(opts[1].state_dict(), buffer)
@@ -145,7 +130,7 @@ def _state_and_edits(rank, world_size):
         fsdp2.set_flat_step_default(True)
     _loop((flat, slow), opts, rank, world_size, 2, first=5)
     assert all(r.flat_steps > 0 for r in flat_step_engine(opts[0]).runs())
-    _assert_same_state_dict(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1])
     assert seen and all(seen), seen
     # torch.save of the optimizer object itself: the hooks and the engine stay behind
     assert "_fsdp2_flat_step" not in opts[0].__getstate__()

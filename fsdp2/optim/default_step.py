@@ -85,6 +85,9 @@ class DefaultStep:
             optimizer.register_step_pre_hook(self.before_step),
             optimizer.register_step_post_hook(self.after_step),
             optimizer.register_load_state_dict_post_hook(self.engine.after_load),
+            # a step that raised left stand-ins: see StepEngine.recover
+            optimizer.register_state_dict_pre_hook(self.engine.recover),
+            optimizer.register_load_state_dict_pre_hook(self.engine.recover),
         ]
         self._unwrap_zero_grad = self.engine.wrap_zero_grad()
 
@@ -92,14 +95,17 @@ class DefaultStep:
         keep_step_hooks_innermost(optimizer, self._hooks[0].id, self._hooks[1].id)
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if _default_on is False or _has_closure(args, kwargs):
+        if torch.compiler.is_compiling():
+            return  # traced as torch's own step; See [Note: Calls the engine steps aside for]
+        if _default_on is False:
+            self.engine.recover()
             self.engine.forget_runs()  # the optimizer steps the DTensors; see the note
             return
-        self._stepping = True
+        self._stepping = True  # a closure: the engine steps aside itself
         self.engine.before_step(optimizer, args, kwargs)
 
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        if self._stepping:
+        if self._stepping and not torch.compiler.is_compiling():
             self._stepping = False
             self.engine.after_step(optimizer)
 
@@ -148,10 +154,6 @@ def _default_enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def _has_closure(args: tuple, kwargs: dict) -> bool:
-    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
-
-
 def _wholly_flat(group: dict) -> bool:
     params = group["params"]
     return bool(params) and all(
@@ -161,6 +163,8 @@ def _wholly_flat(group: dict) -> bool:
 
 def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """The global step pre-hook: decide once per optimizer, then keep its hooks innermost."""
+    if torch.compiler.is_compiling():
+        return  # traced as torch's own step; See [Note: Calls the engine steps aside for]
     current = optimizer.__dict__.get(_ATTR)
     if current is None:
         if not _default_enabled():

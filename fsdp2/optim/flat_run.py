@@ -5,7 +5,7 @@ fsdp2 keeps each group's padded shards in one flat buffer (``FlatShard`` in
 runtime/flat_shard.py), and the reduce-scatter output is one flat gradient
 laid out the same way, of which each ``.grad`` is a view. For an elementwise
 optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, also
-``foreach`` / ``fused``) one update of a flat tensor is, element for element,
+``foreach``; ``fused`` per parameter, see below) one update of a flat tensor is, element for element,
 the same arithmetic as the updates of the parameters that view it, so we step
 each *run* (parameters of one optimizer param group whose slots follow each
 other in one buffer, all with a gradient) as one tensor: a few kernels per
@@ -25,10 +25,26 @@ the same keys, types and values as with the per-parameter step.
 
 Padding (the tail of a slot past the local rows) steps too: its gradient is
 0, so its value stays what it was (0) for every listed optimizer, and no
-visible element reads it. A run whose per-parameter state was replaced
-(``load_state_dict``, DCP) is rebuilt from it before the step: the values are
-copied into fresh run buffers, which requires equal scalar state (one ``step``
-count) across the run; otherwise that run steps per parameter.
+visible element reads it.
+
+[Note: State the run did not write]
+The run steps its own buffers, so it must never step on a copy of state
+that the optimizer no longer holds. Before every step it proves that
+``optimizer.state`` holds exactly what it published, unwritten since: the
+same ``optimizer.state`` dict, the same per-parameter dict for each
+parameter, the same value objects in each, and each tensor's version counter
+(``Tensor._version``, bumped by every in-place write) where the run's last
+publish or step left it (``_seal``). Anything else rebuilds the run from the
+per-parameter state before the step: ``load_state_dict`` (DCP,
+``set_optimizer_state_dict``, torchft's healing), a value replaced or written
+in place by the user, a step the optimizer took itself (a closure, a
+compiled ``step()``, the default switched off), a checkpoint transport
+receiving into the state in place. The rebuild copies the values into fresh
+run buffers, which requires equal scalar state (one ``step`` count) across
+the run; otherwise that run steps per parameter. The published tensors each
+have a storage of their own (``own_storage``), so the run's own writes to its
+buffers move no published counter; the scalar views it refreshes after a
+step are sealed after that refresh.
 
 On CPU the optimizer is handed the run in *pieces* of at most ``PIECE_NUMEL``
 elements (views of the flat parameter, gradient and state): an unfused
@@ -39,13 +55,27 @@ made the flat step 1.5-1.9x slower than the per-parameter step on the demo
 model. Pieces of 256 Ki elements (1 MiB in fp32, a core's L2 on the
 benchmark machine) were the fastest of 8 Ki - 1 Mi on the demo model at
 W = 1 and 2 (0.83x and 0.96x the per-parameter step; 64 Ki: 0.93x and 1.04x)
-and cost one kernel call each. Elementwise, so the bits are the same; piece
-starts are multiples of the vector width, so fused kernels round as on the
-whole run.
+and cost one kernel call each. Elementwise, so the bits are the same.
+
+[Note: Fused kernels step per parameter]
+A fused CPU kernel (``fused=True``: ``_fused_adam(w)_``, ``_fused_sgd_``,
+``_fused_adagrad_``) runs a vectorized main loop and a scalar tail, and the
+two can round differently (seen in ``exp_avg_sq``: the same inputs give
+other last bits in the tail than in the main loop). Which elements
+fall in the tail depends on where each tensor handed to it ends, so a run
+stepped as one tensor puts other elements in the tail than the per-parameter
+step does (upstream's: DTensor hands the kernel each local shard), and the
+last bits differ. So under ``fused`` the pieces never span two parameters:
+each parameter's slot is cut from its own start, in pieces of
+``PIECE_NUMEL`` elements (a multiple of every vector width and of the
+kernels' cache-line task units), so every element falls where the
+per-parameter step puts it, on any number of threads. The state is still one
+buffer per key per run; the fused kernel takes the whole list in one call.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -65,6 +95,7 @@ from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
 PIECE_NUMEL = 1 << 18
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place write counter
 
 class FlatRun:
     """Parameters of one param group whose slots follow each other in one flat buffer.
@@ -99,6 +130,10 @@ class FlatRun:
         self._first_values: dict[Any, Any] = {}  # piece 0's state values after the last step
         self._scalars: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._state_of: dict | None = None  # the optimizer.state the views were put in
+        # what the views held when published or last stepped (see _seal)
+        self._sealed_values: list = []
+        self._sealed_tensors: list[torch.Tensor] = []
+        self._sealed_versions: list[int] = []
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
@@ -173,9 +208,8 @@ class FlatRun:
         Returns ``False`` where the run cannot step as one tensor this time
         (some parameters have state and some not, or their scalars differ).
         """
-        # ``load_state_dict`` (DCP, set_optimizer_state_dict too) replaces ``optimizer.state``
-        # as a whole; so do per-parameter steps of these parameters (``forget``).
-        if self.views is not None and state is self._state_of:
+        # See [Note: State the run did not write]
+        if self.views is not None and self._sealed(state):
             return True
         per_param = [state.get(p) for p in self.params]
         if not any(per_param):
@@ -211,15 +245,45 @@ class FlatRun:
         """These parameters stepped one by one: rebuild the run from their state next time."""
         self.views = None
 
+    def _seal(self) -> None:
+        """Remember what the optimizer holds now: the published dicts, values and versions."""
+        values = [v for view in self.views for v in view.values()]
+        tensors = [local_tensor(v) if isinstance(v, DTensor) else v
+                   for v in values if isinstance(v, torch.Tensor)]
+        self._sealed_values = values
+        self._sealed_tensors = tensors
+        self._sealed_versions = list(map(_VERSION, tensors))
+
+    def _sealed(self, state: dict) -> bool:
+        """Whether ``state`` holds exactly what the run published, unwritten since."""
+        if state is not self._state_of:
+            return False
+        views = self.views
+        if not all(map(operator.is_, map(state.get, self.params), views)):
+            return False
+        values = [v for view in views for v in view.values()]
+        return (
+            len(values) == len(self._sealed_values)
+            and all(map(operator.is_, values, self._sealed_values))
+            and list(map(_VERSION, self._sealed_tensors)) == self._sealed_versions
+        )
+
     # ---- the step, in pieces --------------------------------------------------
 
-    def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-        """Before the step: the pieces to hand the optimizer, with their gradients and state."""
-        self._use_layout(isinstance(grad, torch.Tensor))
+    def attach(
+        self, state: dict, grad: torch.Tensor | list[torch.Tensor], *, per_parameter: bool = False
+    ) -> list[torch.Tensor]:
+        """Before the step: the pieces to hand the optimizer, with their gradients and state.
+
+        ``per_parameter``: pieces never span two parameters, even where the
+        gradient is one flat tensor (see [Note: Fused kernels step per parameter]).
+        """
+        flat_grad = isinstance(grad, torch.Tensor)
+        self._use_layout(flat_grad and not per_parameter)
         pieces = self.pieces
-        if isinstance(grad, torch.Tensor) and len(pieces) == 1:
+        if flat_grad and len(pieces) == 1 and self.bounds[0] == (0, grad.numel()):
             pieces[0].grad = grad
-        elif isinstance(grad, torch.Tensor):
+        elif flat_grad:  # bounds are offsets in the run, whichever layout cut them
             for piece, (start, stop) in zip(pieces, self.bounds):
                 piece.grad = grad[start:stop]
         else:  # per-parameter pieces: (start, stop) inside parameter i's slot
@@ -242,10 +306,11 @@ class FlatRun:
         else:
             self.bounds, self._piece_param = [], []
             for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-                if n:
-                    bounds = _piece_bounds(off, off + n, self.flat.device)
-                    self.bounds += bounds
-                    self._piece_param += [i] * len(bounds)
+                # an empty shard is an empty piece: the optimizer makes its state and
+                # counts its steps, as it does for the empty local tensor upstream steps
+                bounds = _piece_bounds(off, off + n, self.flat.device)
+                self.bounds += bounds
+                self._piece_param += [i] * len(bounds)
         self.pieces = [self.flat[start:stop] for start, stop in self.bounds]
         if self.state is not None:  # the same state, cut the new way
             self._set_state(self.state, None)
@@ -271,6 +336,7 @@ class FlatRun:
         ):
             for vector, scalar in self._scalars:  # the usual step: only scalars moved
                 vector.copy_(scalar)
+            self._seal()  # after the engine's own writes
             return
         # the first step (or a new state object): one buffer per key for the whole run
         built: dict[Any, Any] = {}
@@ -334,6 +400,7 @@ class FlatRun:
         self._scalars = scalars
         self.views = [publish(state, p, view) for p, view in zip(self.params, views)]
         self._state_of = state
+        self._seal()
 
 
 def flat_grads(runs: list[FlatRun]) -> list[tuple[Any, list[DTensor] | None]]:

@@ -161,6 +161,8 @@ def enable_local_shard_step(
         optimizer.register_step_pre_hook(engine.before_step),
         optimizer.register_step_post_hook(engine.after_step),
         optimizer.register_load_state_dict_post_hook(engine.after_load),
+        optimizer.register_state_dict_pre_hook(engine.recover),  # see StepEngine.recover
+        optimizer.register_load_state_dict_pre_hook(engine.recover),
     ]
     if engine.replicas is not None:
         replicas = engine.replicas

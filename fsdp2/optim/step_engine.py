@@ -100,6 +100,7 @@ class StepEngine:
                 "without offload=..."
             )
         self.optimizer = optimizer
+        self.offload_requested = offload is not None  # even where the state stays in place
         self.flat_groups_only = flat_groups_only
         self.flat = flat_buffers and is_elementwise(optimizer)
         if flat_buffers and not self.flat:
@@ -156,6 +157,25 @@ class StepEngine:
     # ---- the hooks ----------------------------------------------------------------
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():  # See [Note: Calls the engine steps aside for]
+            if self.tier.in_units or self.replicas is not None:
+                raise NotImplementedError(
+                    f"torch.compile of {type(optimizer).__name__}.step() with its state "
+                    f"{self._kept_where()}: the engine steps outside the graph; call step() "
+                    "uncompiled (compile the model instead)"
+                )
+            return
+        self.recover()
+        self._keys_before, self._new_state = None, False
+        if has_closure(args, kwargs):
+            if self.offload_requested or self.replicas is not None:
+                raise ValueError(
+                    f"optimizer.step(closure) is not supported with the state "
+                    f"{self._kept_where()}: the engine steps before the closure could run; "
+                    "call the closure (zero_grad, forward, backward), then step()"
+                )
+            self.forget_runs()  # the optimizer steps the DTensors; the runs rebuild after
+            return
         if self.replicas is not None:
             self.replicas.wait()  # the last step's all-gather lands before this one steps
             self.replicas.track()  # param groups added since
@@ -178,6 +198,8 @@ class StepEngine:
             self._keys_before = list(itertools.islice(state, count))
 
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         for g, params in zip(optimizer.param_groups, self._held):
             g["params"] = params
         self._held = []
@@ -187,6 +209,29 @@ class StepEngine:
         if self._new_state and self._keys_before is not None:
             _keep_key_order(optimizer, self._keys_before)
         self._keys_before = None
+
+    def recover(self, *_: Any) -> None:
+        """A ``step()`` that raised left stand-ins in the param groups: put the parameters back.
+
+        torch runs no post-hook when the step raises (``capturable`` on CPU,
+        a ``KeyboardInterrupt``), so whatever reads the groups next (the next
+        step, ``zero_grad``, ``state_dict``, ``load_state_dict``) calls this
+        first: the groups get their DTensor parameters back and the state
+        the step left is published as after any step.
+        """
+        if not (self._swapped or self._held):
+            return
+        optimizer = self.optimizer
+        for g, params in zip(optimizer.param_groups, self._held):
+            g["params"] = params
+        self._held = []
+        self._swap_out(optimizer.state)
+        self._keys_before = None
+
+    def _kept_where(self) -> str:
+        if self.replicas is not None:
+            return "sharded across replicas (shard_across_replicas=True)"
+        return "offloaded (OptimizerOffloadPolicy)"
 
     def after_load(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``load_state_dict``: a store tier copies the loaded state in.
@@ -238,6 +283,11 @@ class StepEngine:
             # runs are DTensors; their gradients are checked as they are gathered
             if not _all_local_steppable(plan.leftovers):
                 continue
+            if self.flat_groups_only and group.get("capturable"):
+                # CUDA-graph steps: torch's own, on the DTensors (never proven on runs)
+                for run in plan.runs:
+                    run.forget()
+                continue
             # each run's gradient, and the .grad objects it views (or None): the runs hold neither
             grads, objects = zip(*flat_grads(plan.runs)) if plan.runs else ((), ())
             if self.flat_groups_only and (
@@ -268,7 +318,8 @@ class StepEngine:
                     run.forget()
                     singles.extend(run.params)
                     continue
-                stand_ins += run.attach(state, grad)
+                # See [Note: Fused kernels step per parameter] in flat_run.py
+                stand_ins += run.attach(state, grad, per_parameter=bool(group.get("fused")))
                 swapped.runs.append(run)
                 self._new_state |= run.views is None  # its first step: state published after
                 if grad_objects is not None:  # views of one flat gradient
@@ -316,6 +367,7 @@ class StepEngine:
         drops every view, so the flat gradient is freed at once. The other
         parameters go to ``zero_grad`` (the optimizer's own), as without the engine.
         """
+        self.recover()
         cleared: dict[int, set[int]] = {}  # id(param group) -> ids of its cleared parameters
         with fast_grad_access():
             for group, params, grads, flat in self._grad_views:
@@ -366,11 +418,6 @@ class StepEngine:
 
     def _step_units(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Step every unit, then leave the optimizer's own step nothing to do."""
-        if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
-            raise ValueError(
-                "optimizer.step(closure) is not supported with OptimizerOffloadPolicy: the "
-                "units step before the closure could run; call the closure, then step()"
-            )
         if self._half_stepped is not None:
             raise RuntimeError(
                 f"The optimizer state is half stepped: an earlier step failed at unit "
@@ -403,6 +450,11 @@ class StepEngine:
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
+
+
+def has_closure(args: tuple, kwargs: dict) -> bool:
+    """Whether a step pre-hook's ``(optimizer, closure?)`` arguments carry a closure."""
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
 
 
 def _keep_key_order(optimizer: torch.optim.Optimizer, before: list) -> None:
