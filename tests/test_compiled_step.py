@@ -1,0 +1,117 @@
+"""``torch.compile`` around ``optimizer.step()`` with the flat step on by default: upstream's bits.
+
+A compiled step is traced as torch's own step on the DTensors (the engine
+steps aside while Dynamo traces, see [Note: Calls the engine steps aside for]
+in fsdp2/optim/step_engine.py); the eager steps around it stay flat and
+rebuild their runs from the state the compiled step wrote (see [Note: State
+the run did not write] in flat_run.py). Each case runs fsdp2 and upstream's
+``fully_shard`` side by side and compares every parameter after every step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _impl import IMPL
+from checks import assert_same_optimizer_state, check_case
+from models import build_mlp, cpu_mesh, full, mlp_batch, mlp_loss, rank_slice, shard_mlp
+
+import fsdp2
+from fsdp2.optim import flat_step_engine
+
+pytestmark = pytest.mark.skipif(IMPL == "torch", reason="fsdp2's own default (not in upstream)")
+
+
+def _pair():
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    ref = build_mlp(seed=4)
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    shard_mlp(ours, fsdp2.fully_shard, mesh=cpu_mesh())
+    shard_mlp(theirs, upstream_fully_shard, mesh=cpu_mesh())
+    return ours, theirs
+
+
+def _assert_equal(ours, theirs, where: str) -> None:
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(full(p.detach()), full(q.detach())), f"{where}: {name} differs"
+
+
+def _batch(step, rank, world_size):
+    return rank_slice(mlp_batch(step, 2 * world_size), rank, world_size)
+
+
+def _compiled_steps_between_eager_ones(backend: str):
+    def case(rank, world_size):
+        torch._dynamo.reset()
+        ours, theirs = _pair()
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+        compiled = [torch.compile(o.step, backend=backend) for o in opts]
+        # eager (the engine attaches, runs hold state), compiled, then eager again
+        for step, use_compiled in enumerate([False, True, True, False, False]):
+            for m, o, c in zip((ours, theirs), opts, compiled):
+                mlp_loss(m, _batch(step, rank, world_size)).backward()
+                (c if use_compiled else o.step)()
+                o.zero_grad()
+            _assert_equal(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
+        assert_same_optimizer_state(opts[0], opts[1])
+        engine = flat_step_engine(opts[0])
+        assert engine is not None and engine.runs()
+        assert all(r.flat_steps == 3 for r in engine.runs()), [r.flat_steps for r in engine.runs()]
+
+    return case
+
+
+def _step_inside_compiled_function(rank, world_size):
+    torch._dynamo.reset()
+    ours, theirs = _pair()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+
+    def train_step(model, opt, batch):
+        mlp_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for step in range(3):
+        for m, o in zip((ours, theirs), opts):
+            compiled(m, o, _batch(step, rank, world_size))
+        _assert_equal(ours, theirs, f"step {step}")
+    assert_same_optimizer_state(opts[0], opts[1])
+
+
+def _compiled_model_keeps_the_flat_step(rank, world_size):
+    torch._dynamo.reset()
+    ours, theirs = _pair()
+    models = [torch.compile(m, backend="aot_eager") for m in (ours, theirs)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    for step in range(3):
+        for m, o in zip(models, opts):
+            mlp_loss(m, _batch(step, rank, world_size)).backward()
+            o.step()
+            o.zero_grad()
+        _assert_equal(ours, theirs, f"step {step}")
+    engine = flat_step_engine(opts[0])
+    assert engine is not None and all(r.flat_steps == 3 for r in engine.runs())
+
+
+CASES = {
+    "compiled-step-eager-backend": _compiled_steps_between_eager_ones("eager"),
+    "compiled-step-inside-a-function": _step_inside_compiled_function,
+    "compiled-model-eager-step": _compiled_model_keeps_the_flat_step,
+}
+INDUCTOR = {"compiled-step-default-backend": _compiled_steps_between_eager_ones("inductor")}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_step_matches_upstream(world_size, case, launch_cases):
+    """torch.compile(optimizer.step), a step in a compiled function, a compiled model: upstream's bits."""
+    check_case(launch_cases(world_size, CASES, timeout=600), case)
+
+
+def test_compiled_step_default_backend(launch_cases):
+    """torch.compile(optimizer.step) with inductor, between eager flat steps: upstream's bits."""
+    check_case(launch_cases(2, INDUCTOR, timeout=600), "compiled-step-default-backend")
