@@ -144,6 +144,60 @@ def test_tiers_step_like_memory(world_size, tmp_path):
     run_ranks(_tiers_body, world_size, str(tmp_path))
 
 
+def _snapshot(model, opt) -> list:
+    """Every parameter's and state tensor's local bytes (and every other state value)."""
+    def raw(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return (t.dtype, tuple(t.shape), t.detach().contiguous().view(-1).view(torch.uint8).tolist())
+
+    values = [raw(p) for p in model.parameters()]
+    for idx, state in opt.state_dict()["state"].items():
+        values += [(idx, k, raw(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()]
+    return values
+
+
+def _closure_refused_body(rank, world_size, tmp):
+    for tier in ("host", "nvme"):
+        model = build_transformer(seed=5)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        handle = fsdp2.enable_local_shard_step(
+            opt, offload=OptimizerOffloadPolicy(tier, os.path.join(tmp, tier))
+        )
+        _train_accumulating(model, opt, rank, world_size, 1)
+        kept = _snapshot(model, opt)  # what the refusals must keep
+        ran = []
+
+        def closure(model=model, opt=opt, ran=ran):
+            ran.append(1)
+            opt.zero_grad()
+            loss = transformer_loss(model, transformer_batch(7, 4 * world_size))
+            loss.backward()
+            return loss
+
+        for grads in (False, True):  # refused whatever the gradients are before the closure
+            if grads:
+                transformer_loss(model, transformer_batch(6, 4 * world_size)).backward()
+            with pytest.raises(ValueError, match=r"step\(closure\) is not supported"):
+                opt.step(closure)
+            assert not ran, f"{tier}: the closure ran"
+            assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+            assert _snapshot(model, opt) == kept, f"{tier}: a refused step(closure) changed state"
+        if handle.engine.tier.in_units:  # a compiled step() too, at the call (not while tracing)
+            torch._dynamo.reset()
+            with pytest.raises(NotImplementedError, match=r"torch.compile of AdamW.step\(\)"):
+                torch.compile(opt.step, backend="eager")()
+            assert _snapshot(model, opt) == kept, f"{tier}: a refused compiled step changed state"
+        opt.step()  # the same optimizer still steps, without the closure
+        handle.remove()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offloaded_step_closure_refused(world_size, tmp_path):
+    """step(closure) (and a compiled step() on files) of an offloaded optimizer: refused, state untouched."""
+    run_ranks(_closure_refused_body, world_size, str(tmp_path))
+
+
 def _one_cut_body(rank, world_size, tmp):
     """Memory, host and disk tiers: the same runs, units cut from them, the same bits."""
     trained = []

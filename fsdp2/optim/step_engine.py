@@ -16,6 +16,34 @@ group in one of two strategies, chosen by its tier (state_store.py):
   units] in unit_step.py); the user's optimizer then steps empty lists.
 
 Either way ``optimizer.state`` holds the views that state_views.py makes.
+
+[Note: Calls the engine steps aside for]
+The engine owns only what it wrote, and only calls it foresaw step on it;
+every other call runs the optimizer's own step on the DTensors, with
+upstream's bits, and the runs rebuild from the state that step leaves (see
+[Note: State the run did not write] in flat_run.py):
+
+- ``torch.compile`` of ``step()`` (or of a function that calls it): while
+  Dynamo traces, the hooks do nothing (``torch.compiler.is_compiling()``), so
+  the graph is torch's own step, and a compiled step runs no hook at all.
+  Tracing the swap of a group's parameters for plain stand-ins broke
+  Dynamo's graph ("Tried to erase Node param"). The eager steps around a
+  compiled one stay flat. A store tier or replica slices cannot step aside
+  (the optimizer does not hold their state): their compiled ``step()`` is
+  refused when it runs (a ``NotImplementedError`` raised from eager code:
+  Dynamo swallows an exception raised while it traces and runs the frame
+  again, and the engine's eager step inside a compiled remainder gave
+  wrong values).
+- ``step(closure)``: the closure would run forward and backward after the
+  engine had taken the gradients, so the optimizer steps the DTensors
+  itself; with ``OptimizerOffloadPolicy`` or ``shard_across_replicas`` it is
+  refused at the call, before anything moves, whatever the gradients.
+- ``capturable=True`` (CUDA-graph steps) in the default step: never proven
+  on runs, so torch's own.
+- A step that raises (``capturable`` on CPU, an interrupt): torch runs no
+  post-hook, so ``recover`` gives the groups their parameters back at the
+  next call that reads them (``step``, ``zero_grad``, ``state_dict``,
+  ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -159,11 +187,7 @@ class StepEngine:
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():  # See [Note: Calls the engine steps aside for]
             if self.tier.in_units or self.replicas is not None:
-                raise NotImplementedError(
-                    f"torch.compile of {type(optimizer).__name__}.step() with its state "
-                    f"{self._kept_where()}: the engine steps outside the graph; call step() "
-                    "uncompiled (compile the model instead)"
-                )
+                _refuse_compiled_step(optimizer, self._kept_where())
             return
         self.recover()
         self._keys_before, self._new_state = None, False
@@ -450,6 +474,16 @@ class StepEngine:
         self._held = [g["params"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["params"] = []
+
+
+@torch.compiler.disable
+def _refuse_compiled_step(optimizer: torch.optim.Optimizer, kept_where: str) -> None:
+    """Raised at run time, outside the graph (see [Note: Calls the engine steps aside for])."""
+    raise NotImplementedError(
+        f"torch.compile of {type(optimizer).__name__}.step() with the state {kept_where}: "
+        "the engine steps outside torch's step; call optimizer.step() uncompiled "
+        "(compiling the model is fine)"
+    )
 
 
 def has_closure(args: tuple, kwargs: dict) -> bool:
