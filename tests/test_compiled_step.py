@@ -11,6 +11,8 @@ the run did not write] in flat_run.py). Each case runs fsdp2 and upstream's
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
@@ -46,22 +48,37 @@ def _batch(step, rank, world_size):
 def _compiled_steps_between_eager_ones(backend: str):
     def case(rank, world_size):
         torch._dynamo.reset()
-        ours, theirs = _pair()
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
-        compiled = [torch.compile(o.step, backend=backend) for o in opts]
-        # eager (the engine attaches, runs hold state), compiled, then eager again
-        for step, use_compiled in enumerate([False, True, True, False, False]):
-            for m, o, c in zip((ours, theirs), opts, compiled):
-                mlp_loss(m, _batch(step, rank, world_size)).backward()
-                (c if use_compiled else o.step)()
-                o.zero_grad()
-            _assert_equal(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
-        assert_same_optimizer_state(opts[0], opts[1])
-        engine = flat_step_engine(opts[0])
-        assert engine is not None and engine.runs()
-        assert all(r.flat_steps == 3 for r in engine.runs()), [r.flat_steps for r in engine.runs()]
+        # torch's compile caches key a DTensor step by global shapes: ranks whose local
+        # shards differ (13 rows on 2 ranks) must not share one (upstream's step fails too)
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        with tempfile.TemporaryDirectory(prefix=f"inductor-rank{rank}-") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            try:
+                _compiled_steps(backend, rank, world_size)
+            finally:
+                if before is None:
+                    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+                else:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
     return case
+
+
+def _compiled_steps(backend: str, rank: int, world_size: int) -> None:
+    """Eager (the engine attaches, runs hold state), compiled, then eager steps again."""
+    ours, theirs = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+    compiled = [torch.compile(o.step, backend=backend) for o in opts]
+    for step, use_compiled in enumerate([False, True, True, False, False]):
+        for m, o, c in zip((ours, theirs), opts, compiled):
+            mlp_loss(m, _batch(step, rank, world_size)).backward()
+            (c if use_compiled else o.step)()
+            o.zero_grad()
+        _assert_equal(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
+    assert_same_optimizer_state(opts[0], opts[1])
+    engine = flat_step_engine(opts[0])
+    assert engine is not None and engine.runs()
+    assert all(r.flat_steps == 3 for r in engine.runs()), [r.flat_steps for r in engine.runs()]
 
 
 def _step_inside_compiled_function(rank, world_size):

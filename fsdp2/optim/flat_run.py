@@ -43,8 +43,10 @@ receiving into the state in place. The rebuild copies the values into fresh
 run buffers, which requires equal scalar state (one ``step`` count) across
 the run; otherwise that run steps per parameter. The published tensors each
 have a storage of their own (``own_storage``), so the run's own writes to its
-buffers move no published counter; the scalar views it refreshes after a
-step are sealed after that refresh.
+buffers (and its refresh of the scalar views) move no published counter;
+where a device gives no storage of its own, the counters are read again
+after each step. The check costs about 0.3 ms a step for 576 parameters in
+96 runs on the benchmark CPU (a 15 ms step).
 
 On CPU the optimizer is handed the run in *pieces* of at most ``PIECE_NUMEL``
 elements (views of the flat parameter, gradient and state): an unfused
@@ -90,7 +92,7 @@ from .._torch_compat import (
     view_base,
 )
 from ..runtime.flat_shard import flat_slot_of
-from ..runtime.shard_storage import own_storage
+from ..runtime.shard_storage import can_own_storage, own_storage
 from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
@@ -134,6 +136,7 @@ class FlatRun:
         self._sealed_values: list = []
         self._sealed_tensors: list[torch.Tensor] = []
         self._sealed_versions: list[int] = []
+        self._counters_own = True
         # steps taken as one tensor, and whether the last one's gradient was a view (no copy)
         self.flat_steps = 0
         self.grad_was_view = False
@@ -336,7 +339,8 @@ class FlatRun:
         ):
             for vector, scalar in self._scalars:  # the usual step: only scalars moved
                 vector.copy_(scalar)
-            self._seal()  # after the engine's own writes
+            if not self._counters_own:  # views share counters with the buffers just written
+                self._sealed_versions = list(map(_VERSION, self._sealed_tensors))
             return
         # the first step (or a new state object): one buffer per key for the whole run
         built: dict[Any, Any] = {}
@@ -400,6 +404,10 @@ class FlatRun:
         self._scalars = scalars
         self.views = [publish(state, p, view) for p, view in zip(self.params, views)]
         self._state_of = state
+        # own storages have own version counters: the run's writes (its pieces, the
+        # scalars' refresh) then move none of the published ones (See [Note: State ...])
+        self._counters_own = all(can_own_storage(v) for v in self.state.values()
+                                 if isinstance(v, torch.Tensor))
         self._seal()
 
 
