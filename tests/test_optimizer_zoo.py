@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _impl import IMPL
 from checks import assert_same_optimizer_state, check_case
-from models import cpu_mesh, full, rank_slice, shard_groups
+from models import cpu_mesh, rank_slice, shard_groups
+from torch.distributed.tensor import DTensor
 
 import fsdp2
 
@@ -100,15 +101,32 @@ def _batch(step: int, world_size: int):
     return torch.randn(2 * world_size, 7, generator=g), torch.randn(2 * world_size, 3, generator=g)
 
 
+_PAIRS: dict[int, tuple] = {}  # world size -> (ours, theirs, their initial local shards)
+
+
 def _pair(world_size: int):
+    """fsdp2's and upstream's sharding of one MLP, at its initial values again.
+
+    Sharded once per launch and reset in place for each config: sharding
+    anew for each of hundreds of configs cost more than their steps.
+    """
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
-    torch.manual_seed(3)
-    ref = _MLP()
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    mesh = cpu_mesh(world_size)
-    shard_groups(ours, fsdp2.fully_shard, [ours.a, ours.b], mesh=mesh)
-    shard_groups(theirs, upstream_fully_shard, [theirs.a, theirs.b], mesh=mesh)
+    if world_size not in _PAIRS:
+        torch.manual_seed(3)
+        ref = _MLP()
+        ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+        mesh = cpu_mesh(world_size)
+        shard_groups(ours, fsdp2.fully_shard, [ours.a, ours.b], mesh=mesh)
+        shard_groups(theirs, upstream_fully_shard, [theirs.a, theirs.b], mesh=mesh)
+        initial = [p.to_local().detach().clone() for p in ours.parameters()]
+        _PAIRS[world_size] = (ours, theirs, initial)
+    ours, theirs, initial = _PAIRS[world_size]
+    with torch.no_grad():
+        for model in (ours, theirs):
+            for p, value in zip(model.parameters(), initial):
+                p.to_local().copy_(value)
+                p.grad = None
     return ours, theirs
 
 
@@ -151,7 +169,7 @@ class _LocalStep:
             assert list(got) == list(want), (list(got), list(want))
             for key, value in want.items():
                 g = got[key]
-                g = g.to_local() if isinstance(g, torch.distributed.tensor.DTensor) else g
+                g = g.to_local() if isinstance(g, DTensor) else g
                 assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), key
 
 
@@ -173,47 +191,61 @@ def _step_both(models, opts, batch) -> list[BaseException | None]:
     return outcomes
 
 
-def _assert_params_equal(ours, theirs, where: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        assert isinstance(p, torch.distributed.tensor.DTensor), f"{where}: {name} lost its DTensor"
-        assert torch.equal(full(p.detach()), full(q.detach())), f"{where}: {name} differs"
+def _params_differ(ours, theirs, where: str) -> list[str]:
+    """Where fsdp2's parameters differ from upstream's, local shard by local shard.
+
+    Both shard dim 0 alike, so equal local shards on every rank are equal
+    parameters, with no collective; a rank that finds a difference goes on
+    stepping, so every rank issues the same collectives.
+    """
+    return [
+        f"{where}: {name} differs" if isinstance(p, DTensor) else f"{where}: {name} lost its DTensor"
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters())
+        if not isinstance(p, DTensor) or not torch.equal(p.to_local(), q.to_local())
+    ]
+
+
+def _run_config(cls: type, kwargs: dict, rank: int, world_size: int) -> list[str]:
+    """One config's steps on fsdp2 and upstream: what differs (empty: bit for bit the same)."""
+    ours, theirs = _pair(world_size)
+    try:
+        opts = [cls(_param_groups(m, kwargs), **_clone_kwargs(kwargs)) for m in (ours, theirs)]
+    except Exception:  # refused at construction: torch's own check, nothing of ours
+        return []
+    problems: list[str] = []
+    for step in range(STEPS):
+        batch = rank_slice(_batch(step, world_size), rank, world_size)
+        mine, upstream = _step_both((ours, theirs), opts, batch)
+        if step == 0 and mine is None and _no_sharding_rule(upstream):
+            # ours stepped; the reference is the per-tensor step upstream lacks
+            ours, theirs = _pair(world_size)
+            opts = [cls(_param_groups(ours, kwargs), **_clone_kwargs(kwargs)),
+                    _LocalStep(theirs, cls, kwargs)]
+            mine, upstream = _step_both((ours, theirs), opts, batch)
+        if upstream is not None or mine is not None:  # the same refusal on every rank
+            if type(mine) is not type(upstream) or str(mine) != str(upstream):
+                problems.append(f"step {step}: fsdp2 {mine!r}, upstream {upstream!r}")
+            if not all(isinstance(p, DTensor) for g in opts[0].param_groups for p in g["params"]):
+                problems.append(f"step {step}: the refusal left plain tensors in the groups")
+            return problems + _params_differ(ours, theirs, f"step {step}, after the refusal")
+        problems += _params_differ(ours, theirs, f"step {step}")
+    try:
+        if isinstance(opts[1], _LocalStep):
+            opts[1].assert_same_state(opts[0], ours)
+        else:
+            assert_same_optimizer_state(opts[0], opts[1])
+    except AssertionError as e:
+        problems.append(f"state: {e}")
+    return problems
 
 
 def _zoo(rank: int, world_size: int) -> None:
     failures = []
     for name, (cls, kwargs) in CONFIGS.items():
-        ours, theirs = _pair(world_size)
-        try:
-            opts = [cls(_param_groups(m, kwargs), **_clone_kwargs(kwargs)) for m in (ours, theirs)]
-        except Exception:  # refused at construction: torch's own check, nothing of ours
-            continue
-        try:
-            for step in range(STEPS):
-                batch = rank_slice(_batch(step, world_size), rank, world_size)
-                mine, upstream = _step_both((ours, theirs), opts, batch)
-                if step == 0 and mine is None and _no_sharding_rule(upstream):
-                    # ours stepped; the reference is the per-tensor step upstream lacks
-                    ours, theirs = _pair(world_size)
-                    opts = [cls(_param_groups(ours, kwargs), **_clone_kwargs(kwargs)),
-                            _LocalStep(theirs, cls, kwargs)]
-                    mine, upstream = _step_both((ours, theirs), opts, batch)
-                if upstream is not None or mine is not None:
-                    assert type(mine) is type(upstream) and str(mine) == str(upstream), (
-                        f"step {step}: fsdp2 {mine!r}, upstream {upstream!r}"
-                    )
-                    assert all(isinstance(p, torch.distributed.tensor.DTensor)
-                               for g in opts[0].param_groups for p in g["params"])
-                    _assert_params_equal(ours, theirs, f"step {step}, after the refusal")
-                    break
-                _assert_params_equal(ours, theirs, f"step {step}")
-            else:
-                if isinstance(opts[1], _LocalStep):
-                    opts[1].assert_same_state(opts[0], ours)
-                else:
-                    assert_same_optimizer_state(opts[0], opts[1])
-        except AssertionError as e:
-            failures.append(f"{name}: {e}")
-    assert not failures, f"{len(failures)} of {len(CONFIGS)} configs differ:\n" + "\n".join(failures)
+        failures += [f"{name}: {p}" for p in _run_config(cls, kwargs, rank, world_size)]
+    assert not failures, f"{len(failures)} differences in {len(CONFIGS)} configs:\n" + "\n".join(
+        failures
+    )
 
 
 CASES = {"zoo": _zoo}
