@@ -93,6 +93,35 @@ def _heal_before_and_between_first_steps(rank, world_size):
     _assert_rebuilt(healed[0][1])
 
 
+def _loaded_after_backward(rank, world_size):
+    """torchft's order: backward, then the live state loaded (model and optimizer), then step."""
+    live = [(m, _adamw(m)) for m in _models()]
+    _train(live, range(3), rank, world_size)
+    healed = [(m, _adamw(m)) for m in _models(seed=6)]  # restarted: other values, no state
+    batch = rank_slice(batch_of(3, 2 * world_size), rank, world_size)
+    saved = [(_saved(m.state_dict()), _saved(o.state_dict())) for m, o in live]
+    for (model, opt), (live_model, _), (model_sd, optim_sd) in zip(healed, live, saved):
+        loss_of(live_model, batch).backward()
+        loss_of(model, batch).backward()
+        with torch.no_grad():  # torchft sums the live group's gradients into the healing one's
+            for p, q in zip(model.parameters(), live_model.parameters()):
+                p.grad.to_local().copy_(q.grad.to_local())
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(optim_sd)
+    for (_, opt), (_, live_opt) in zip(healed, live):
+        opt.step()
+        opt.zero_grad()
+        live_opt.step()
+        live_opt.zero_grad()
+    _assert_equal(healed[0][0], live[0][0], "step 3, healed against live")
+    _assert_equal(healed[0][0], healed[1][0], "step 3")
+    _train(healed, range(4, 6), rank, world_size)
+    _train(live, range(4, 6), rank, world_size)
+    _assert_equal(healed[0][0], live[0][0], "healed against live")
+    assert_same_optimizer_state(healed[0][1], healed[1][1])
+    _assert_rebuilt(healed[0][1])  # the flat step attaches once the parameters are adopted
+
+
 def _received_in_place(rank, world_size):
     """A transport writes the live state into the healed optimizer's own tensors, then loads them."""
     live = [(m, _adamw(m)) for m in _models()]
@@ -219,6 +248,7 @@ def _refused_step_gives_the_parameters_back(rank, world_size):
 
 CASES = {
     "heal-before-and-between-first-steps": _heal_before_and_between_first_steps,
+    "loaded-after-backward": _loaded_after_backward,
     "received-in-place": _received_in_place,
     "dcp-state-dict-fns-in-place": _dcp_state_dict_fns_in_place,
     "edits-in-place-and-replaced": _edits_in_place_and_replaced,

@@ -61,7 +61,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .._torch_compat import keep_step_hooks_innermost
-from ..runtime.flat_shard import flat_slot_of
+from ..runtime.flat_shard import flat_shard_of, flat_slot_of
 from .step_engine import StepEngine
 from .step_plan import is_elementwise
 
@@ -161,6 +161,20 @@ def _wholly_flat(group: dict) -> bool:
     )
 
 
+def _pending_adoption(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether some parameter is fsdp2's, replaced since its group last adopted it.
+
+    ``model.load_state_dict`` marks its groups so; the next forward makes the
+    parameters views of their flat buffers again.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            flat = flat_shard_of(p) if isinstance(p, DTensor) else None
+            if flat is not None and flat.needs_adoption:
+                return True
+    return False
+
+
 def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """The global step pre-hook: decide once per optimizer, then keep its hooks innermost."""
     if torch.compiler.is_compiling():
@@ -172,6 +186,8 @@ def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
         if is_elementwise(optimizer) and any(_wholly_flat(g) for g in optimizer.param_groups):
             current = DefaultStep(optimizer)
             logger.debug("%s steps on fsdp2's flat buffers by default", type(optimizer).__name__)
+        elif is_elementwise(optimizer) and _pending_adoption(optimizer):
+            return  # e.g. loaded right before this step (torchft's heal): decide at a later one
         else:
             current = OFF
         optimizer.__dict__[_ATTR] = current
