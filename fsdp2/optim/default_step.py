@@ -21,9 +21,12 @@ What stays as without the engine:
 - **User step hooks** see the DTensor parameters: before each step the
   global hook keeps the engine's pre-hook last and its post-hook first among
   the optimizer's own (``keep_step_hooks_innermost`` in _torch_compat.py).
-- **A ``closure``**, and any step while ``set_flat_step_default(False)`` is
-  in force, runs the optimizer's own step on the DTensors; the runs then
-  rebuild from the per-parameter state at their next flat step.
+- **A ``closure``**, a compiled ``step()``, a ``capturable`` group and any
+  step while ``set_flat_step_default(False)`` is in force run the
+  optimizer's own step on the DTensors (see [Note: Calls the engine steps
+  aside for] in step_engine.py); the runs then rebuild from the
+  per-parameter state at their next flat step, as after anything else that
+  wrote the state (see [Note: State the run did not write] in flat_run.py).
 - **Changed parameters** (``add_param_group``, a group's list edited, a
   buffer re-allocated) are planned again at the next step (``GroupPlan.holds``);
   a group that is no longer wholly flat steps as the optimizer would.
