@@ -24,6 +24,7 @@ PRIVATE_SYMBOLS = [
     ("torch._C", "DisableTorchFunctionSubclass"),
     ("torch._C", "_disabled_torch_function_impl"),
     ("torch", "Tensor._base"),
+    ("torch", "Tensor._version"),
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C", "_current_graph_task_id"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),

@@ -89,6 +89,7 @@ from .._torch_compat import (
     local_tensors,
     same_dtensor_spec,
     same_dtensor_specs,
+    version_counters,
     view_base,
 )
 from ..runtime.flat_shard import flat_slot_of
@@ -97,7 +98,6 @@ from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
 PIECE_NUMEL = 1 << 18
-_VERSION = operator.attrgetter("_version")  # a tensor's in-place write counter
 
 class FlatRun:
     """Parameters of one param group whose slots follow each other in one flat buffer.
@@ -255,7 +255,7 @@ class FlatRun:
                    for v in values if isinstance(v, torch.Tensor)]
         self._sealed_values = values
         self._sealed_tensors = tensors
-        self._sealed_versions = list(map(_VERSION, tensors))
+        self._sealed_versions = version_counters(tensors)
 
     def _sealed(self, state: dict) -> bool:
         """Whether ``state`` holds exactly what the run published, unwritten since."""
@@ -268,7 +268,7 @@ class FlatRun:
         return (
             len(values) == len(self._sealed_values)
             and all(map(operator.is_, values, self._sealed_values))
-            and list(map(_VERSION, self._sealed_tensors)) == self._sealed_versions
+            and version_counters(self._sealed_tensors) == self._sealed_versions
         )
 
     # ---- the step, in pieces --------------------------------------------------
@@ -340,7 +340,7 @@ class FlatRun:
             for vector, scalar in self._scalars:  # the usual step: only scalars moved
                 vector.copy_(scalar)
             if not self._counters_own:  # views share counters with the buffers just written
-                self._sealed_versions = list(map(_VERSION, self._sealed_tensors))
+                self._sealed_versions = version_counters(self._sealed_tensors)
             return
         # the first step (or a new state object): one buffer per key for the whole run
         built: dict[Any, Any] = {}
