@@ -222,11 +222,17 @@ _SLOTS: dict[int, tuple[weakref.ref, int]] = {}
 _SLOTS_LOCK = threading.Lock()
 
 
+_purge_at = 1024  # purge the entries of dead groups once the registry reaches this size
+
+
 def _register_slots(flat: FlatShard) -> None:
+    global _purge_at
     ref = weakref.ref(flat)
     with _SLOTS_LOCK:
-        for key in [k for k, (old, _) in list(_SLOTS.items()) if old() is None]:
-            del _SLOTS[key]  # groups that are gone
+        if len(_SLOTS) >= _purge_at:  # amortized: a scan per call was O(groups x params)
+            for key in [k for k, (old, _) in list(_SLOTS.items()) if old() is None]:
+                del _SLOTS[key]  # groups that are gone
+            _purge_at = 2 * len(_SLOTS) + 1024
         for i, p in enumerate(flat.fsdp_params):
             _SLOTS[id(p.sharded_param)] = (ref, i)
 

@@ -195,7 +195,8 @@ class FSDPState:
             )
         root_module = self.modules[0]
         ctx = self.root_steps
-        for module in root_module.modules():
+        named_modules = list(root_module.named_modules())  # one walk for every check below
+        for _, module in named_modules:
             state = state_of(module)
             if state is not None and state is not self and state.root_steps.manual_finalization:
                 raise RuntimeError(
@@ -205,7 +206,7 @@ class FSDPState:
                 )
         ctx.all_states = []
         module_fqns: dict[nn.Module, str] = {}
-        for name, module in root_module.named_modules():
+        for name, module in named_modules:
             module_fqns.setdefault(module, name)
             state = state_of(module)
             if state is None or state in ctx.all_states:
@@ -236,7 +237,7 @@ class FSDPState:
         try:
             local_error = None
             try:
-                check_shared_params(root_module, groups, module_fqns)
+                check_shared_params(named_modules, groups, module_fqns)
                 for state in ctx.all_states:
                     state._lazy_init_group(module_fqns)
                 self.comm_ctx.max_reduce_scatter_inputs = max(

@@ -315,15 +315,16 @@ class FSDPParam:
     def is_view_of_slot(self, slot: torch.Tensor) -> bool:
         """Whether the local shard is already ``local_view(slot)``'s memory."""
         local = local_tensor(self.sharded_param)
-        view = self.slot_view(slot)
-        if local.device != view.device or local.dtype != view.dtype:
+        if local.device != slot.device or local.dtype != slot.dtype:
             return False
-        if local.size() != view.size() or local.stride() != view.stride():
+        if local.size() != self.local_size or not local.is_contiguous():
             return False
         if can_own_storage(slot):
             # See [Note: Sharded parameter storage]: the slot's memory, its own storage.
+            # (No view of the slot made to compare: lazy init checks every parameter.)
             storage = local.untyped_storage()
-            return local.data_ptr() == view.data_ptr() and storage.nbytes() == slot.nbytes
+            return local.data_ptr() == slot.data_ptr() and storage.nbytes() == slot.nbytes
+        view = self.slot_view(slot)
         if view.numel() == 0:
             return local.numel() == 0 and local is view
         # Fake tensors (the planner, fsdp2.plan) all report data pointer 0: compare

@@ -54,11 +54,14 @@ def original_uid(param: nn.Parameter) -> int:
 
 
 def check_shared_params(
-    root: nn.Module, groups: list[FSDPParamGroup], module_fqns: dict[nn.Module, str]
+    named_modules: list[tuple[str, nn.Module]],
+    groups: list[FSDPParamGroup],
+    module_fqns: dict[nn.Module, str],
 ) -> None:
-    """``ValueError`` if a parameter under ``root`` is in two groups or held outside its group.
+    """``ValueError`` if a parameter under the root is in two groups or held outside its group.
 
-    See [Note: A parameter belongs to one group].
+    ``named_modules``: the root's ``named_modules()`` (walked once by lazy init
+    for all its checks). See [Note: A parameter belongs to one group].
     """
     by_uid: dict[int, tuple[FSDPParam, FSDPParamGroup]] = {}
     by_object: dict[int, FSDPParam] = {}  # id of a sharded/unsharded parameter -> its FSDPParam
@@ -80,7 +83,7 @@ def check_shared_params(
             if p.unsharded_param is not None:
                 by_object[id(p.unsharded_param)] = p
             holders.update((id(module), name) for module, name in p.module_infos)
-    for prefix, module in root.named_modules():
+    for prefix, module in named_modules:
         for name, param in module._parameters.items():
             if param is None:
                 continue
