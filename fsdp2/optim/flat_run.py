@@ -32,22 +32,25 @@ The run steps its own buffers, so it must never step on a copy of state
 that the optimizer no longer holds. Before every step it proves that
 ``optimizer.state`` holds exactly what it published, unwritten since: the
 same ``optimizer.state`` dict, the same per-parameter dict for each
-parameter, the same value objects in each, and each tensor's version counter
+parameter, the same value objects in each, and each scalar's version counter
 (``Tensor._version``, bumped by every in-place write) where the run's last
-publish or step left it (``_seal``). Anything else rebuilds the run from the
+publish or step left it (``_seal``). The scalars (``step``) are the only
+copies: every parameter-shaped value it publishes is its own buffer's memory
+(``own_storage``), so a write through one (a user's ``mul_``, a transport
+receiving in place, the optimizer's own step) already is the run's state,
+and needs no check. Anything else rebuilds the run from the
 per-parameter state before the step: ``load_state_dict`` (DCP,
 ``set_optimizer_state_dict``, torchft's healing), a value replaced or written
 in place by the user, a step the optimizer took itself (a closure, a
 compiled ``step()``, the default switched off), a checkpoint transport
 receiving into the state in place. The rebuild copies the values into fresh
 run buffers, which requires equal scalar state (one ``step`` count) across
-the run; otherwise that run steps per parameter. The published tensors each
-have a storage of their own (``own_storage``), so the run's own writes to its
-buffers (and its refresh of the scalar views) move no published counter;
-where a device gives no storage of its own, the counters are read again
-after each step. The check costs about 0.3 ms for 576 parameters in 96 runs
-when their objects are in the cache, and 0.8-1.0 ms right after a backward,
-when they are not (of a 7-8 ms step + ``zero_grad``, W = 2, benchmark CPU).
+the run; otherwise that run steps per parameter. The scalar views have a
+storage of their own, so the run's refresh of them after a step moves no
+counter it sealed; where a device gives no storage of its own, the counters
+are read again after each step. The check costs 0.4-0.5 ms right after a
+backward for 576 parameters in 96 runs (of a 7 ms step + ``zero_grad``, W = 2,
+benchmark CPU); checking every published tensor's counter cost 0.8-1.0 ms.
 
 On CPU the optimizer is handed the run in *pieces* of at most ``PIECE_NUMEL``
 elements (views of the flat parameter, gradient and state): an unfused
@@ -250,13 +253,16 @@ class FlatRun:
         self.views = None
 
     def _seal(self) -> None:
-        """Remember what the optimizer holds now: the published dicts, values and versions."""
+        """Remember what the optimizer holds now: the published dicts, values and versions.
+
+        Versions of the scalar views only: the other published tensors are the
+        run's own memory (``own_storage``), so a write through them is the run's.
+        """
         values = [v for view in self.views for v in view.values()]
-        tensors = [local_tensor(v) if isinstance(v, DTensor) else v
-                   for v in values if isinstance(v, torch.Tensor)]
+        scalars = [v for v in values if isinstance(v, torch.Tensor) and v.dim() == 0]
         self._sealed_values = values
-        self._sealed_tensors = tensors
-        self._sealed_versions = version_counters(tensors)
+        self._sealed_tensors = scalars
+        self._sealed_versions = version_counters(scalars)
 
     def _sealed(self, state: dict) -> bool:
         """Whether ``state`` holds exactly what the run published, unwritten since."""
