@@ -208,8 +208,8 @@ def _edits_in_place_and_replaced(rank, world_size):
     _assert_rebuilt(pairs[0][1])
 
 
-def _closure_and_switch_between_flat_steps(rank, world_size):
-    """Steps the optimizer takes itself (closure, default off) between flat ones: rebuilt after."""
+def _closure_between_flat_steps(rank, world_size):
+    """A step the optimizer takes itself (a closure) between flat ones: the runs rebuild after."""
     pairs = [(m, _adamw(m)) for m in _models()]
     _train(pairs, range(2), rank, world_size)
     batch = rank_slice(batch_of(2, 2 * world_size), rank, world_size)
@@ -252,7 +252,7 @@ CASES = {
     "received-in-place": _received_in_place,
     "dcp-state-dict-fns-in-place": _dcp_state_dict_fns_in_place,
     "edits-in-place-and-replaced": _edits_in_place_and_replaced,
-    "closure-between-flat-steps": _closure_and_switch_between_flat_steps,
+    "closure-between-flat-steps": _closure_between_flat_steps,
     "refused-step": _refused_step_gives_the_parameters_back,
 }
 
