@@ -132,9 +132,8 @@ def _received_in_place(rank, world_size):
         for (model, opt), (live_model, live_opt) in zip(healed, live):
             mine, theirs = opt.state_dict(), live_opt.state_dict()
             with torch.no_grad():  # as torchft's PGTransport receives: into each local tensor
-                for p in model.parameters():
-                    p.to_local().copy_(dict(zip(model.parameters(), live_model.parameters()))[p]
-                                       .to_local())
+                for p, q in zip(model.parameters(), live_model.parameters()):
+                    p.to_local().copy_(q.to_local())
                 for idx, state in mine["state"].items():
                     for key, value in state.items():
                         src = theirs["state"][idx][key]

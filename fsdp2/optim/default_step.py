@@ -108,7 +108,7 @@ class DefaultStep:
         self.engine.before_step(optimizer, args, kwargs)
 
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        if self._stepping and not torch.compiler.is_compiling():
+        if self._stepping:  # (the engine's after_step does nothing while Dynamo traces)
             self._stepping = False
             self.engine.after_step(optimizer)
 

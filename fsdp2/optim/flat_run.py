@@ -346,7 +346,7 @@ class FlatRun:
         ):
             for vector, scalar in self._scalars:  # the usual step: only scalars moved
                 vector.copy_(scalar)
-            if not self._counters_own:  # views share counters with the buffers just written
+            if not self._counters_own:  # the scalar views share the vectors' counters
                 self._sealed_versions = version_counters(self._sealed_tensors)
             return
         # the first step (or a new state object): one buffer per key for the whole run
@@ -411,10 +411,9 @@ class FlatRun:
         self._scalars = scalars
         self.views = [publish(state, p, view) for p, view in zip(self.params, views)]
         self._state_of = state
-        # own storages have own version counters: the run's writes (its pieces, the
-        # scalars' refresh) then move none of the published ones (See [Note: State ...])
-        self._counters_own = all(can_own_storage(v) for v in self.state.values()
-                                 if isinstance(v, torch.Tensor))
+        # scalar views with storages of their own have counters of their own: the
+        # refresh of ``vector`` after a step moves none of them (See [Note: State ...])
+        self._counters_own = all(can_own_storage(vector) for vector, _ in scalars)
         self._seal()
 
 
