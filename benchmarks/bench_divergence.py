@@ -1,4 +1,4 @@
-"""The divergence check's cost (fsdp2/runtime/divergence.py): local work, and the store's load at W=16384.
+"""The divergence check's cost (fsdp2/runtime/hooks/divergence.py): local work, and the store's load at W=16384.
 
     python benchmarks/bench_divergence.py           # W=16384 on one TCPStore, 80-layer 70B: ~1-2 min
     python benchmarks/bench_divergence.py --quick   # W=1024, 8 layers: ~20 s
@@ -61,8 +61,8 @@ def check_cost_body(rank: int, world_size: int, shape: dict, reps: int) -> dict:
     from model import ModelArgs, Transformer
 
     from fsdp2 import fully_shard
-    from fsdp2.runtime import divergence
-    from fsdp2.runtime.hooks import state_of
+    from fsdp2.runtime.hooks import divergence
+    from fsdp2.runtime.hooks.state import state_of
 
     mesh = cpu_mesh()
     lazy, check, local = [], [], []
@@ -141,7 +141,7 @@ def _rank_thread(port: int, r: int, world: int, out: dict) -> None:
     """Simulated rank ``r``: its own client; each round waits for the go, then runs the check."""
     import torch.distributed as dist
 
-    from fsdp2.runtime.divergence import exchange
+    from fsdp2.runtime.hooks.divergence import exchange
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False,
                            timeout=datetime.timedelta(seconds=300))

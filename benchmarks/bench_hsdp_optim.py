@@ -3,7 +3,7 @@
 Both columns are fsdp2 on the same (replicate, shard) mesh with AdamW
 (``foreach=True``) stepped by ``fsdp2.enable_local_shard_step``; the fsdp2
 column adds ``shard_across_replicas=True`` (see [Note: Replica slices] in
-fsdp2/runtime/replica_slices.py), the torch column is plain HSDP.
+fsdp2/runtime/group/replica_slices.py), the torch column is plain HSDP.
 
 * W=4 gloo as 2 x 2: step time (forward, backward, ``step()``,
   ``zero_grad()``; medians of interleaved steps, the slowest rank each),

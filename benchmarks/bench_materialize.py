@@ -12,7 +12,7 @@ ranks. Three timings per implementation, interleaved over repetitions:
   weights after ``to_empty`` does (torchtitan's ``init_weights``);
 * the root's lazy init (what the first forward does before its first
   all-gather), called directly; fsdp2's includes the check that every rank
-  shards the same model (fsdp2/runtime/divergence.py), timed on its own too.
+  shards the same model (fsdp2/runtime/hooks/divergence.py), timed on its own too.
 
 The fake process group's collectives do nothing, so this is Python, dispatch
 and memory work only; the shards are real: ~276 MB per rank, fp32.
@@ -76,8 +76,8 @@ def _lazy_init_seconds(impl: str, model: nn.Module) -> tuple[float, float]:
         t0 = time.perf_counter()
         model._get_fsdp_state()._lazy_init()
         return time.perf_counter() - t0, 0.0
-    from fsdp2.runtime import divergence
-    from fsdp2.runtime.hooks import state_of
+    from fsdp2.runtime.hooks import divergence
+    from fsdp2.runtime.hooks.state import state_of
 
     spent = []
     check = divergence.check_same_model
@@ -90,7 +90,7 @@ def _lazy_init_seconds(impl: str, model: nn.Module) -> tuple[float, float]:
             spent.append(time.perf_counter() - t)
 
     state = state_of(model)
-    import fsdp2.runtime.hooks as state_module
+    import fsdp2.runtime.hooks.state as state_module
 
     state_module.check_same_model = timed
     try:

@@ -15,7 +15,7 @@ checkpoint's step, say): ranks that disagree get a ``ValueError`` each
 instead of work on different arguments.
 
 The lazy-init check that every rank shards the same model
-(``runtime/divergence.py``) agrees through the process group's store instead,
+(``runtime/hooks/divergence.py``) agrees through the process group's store instead,
 since it runs before any collective may be trusted; it raises by the same
 rule (the first failing rank's error, named, on every rank).
 """

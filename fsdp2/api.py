@@ -184,7 +184,7 @@ class _ShardPlacementResult:
 
     torch's ``ShardPlacementResult`` where torch has it (2.12 and later; the
     same class object), this dataclass with the same fields otherwise. See
-    [Note: Per-parameter meshes] in ``runtime/param_meshes.py``.
+    [Note: Per-parameter meshes] in ``runtime/meshes/param_meshes.py``.
 
     Attributes:
         placement: the tensor dim to shard on, ``Shard(dim)``; ``None`` means ``Shard(0)``.

@@ -20,15 +20,17 @@ from .api import (
 )
 from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from .runtime.comm_context import CommContext
-from .runtime.dp_mesh_dims import (
+from .runtime.comm.comm_context import CommContext
+from .runtime.common.mixed_precision import keeps_own_dtype
+from .runtime.group.param_group import FSDPParamGroup
+from .runtime.hooks.state import FSDPState, state_of
+from .runtime.meshes.dp_mesh_dims import (
     SpmdDims,
     SpmdLayout,
     spmd_dims_for,
     spmd_layout,
 )
-from .runtime.hooks import FSDPState, state_of
-from .runtime.mesh import (
+from .runtime.meshes.mesh import (
     FSDPMeshInfo,
     PostForwardMeshInfo,
     default_mesh,
@@ -37,10 +39,8 @@ from .runtime.mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
-from .runtime.mixed_precision import keeps_own_dtype
-from .runtime.param import FSDPParam
-from .runtime.param_group import FSDPParamGroup
-from .runtime.param_meshes import MeshGroup, group_by_mesh
+from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh
+from .runtime.storage.param import FSDPParam
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -128,7 +128,7 @@ def fully_shard(
             ``ShardPlacementResult(placement, mesh_info)`` also names the mesh
             (torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``) to shard it over: the
             call then makes one group per mesh (see [Note: Per-parameter
-            meshes] in runtime/param_meshes.py). Called once per parameter.
+            meshes] in runtime/meshes/param_meshes.py). Called once per parameter.
         mp_policy: mixed precision: the dtype of the all-gather and compute
             (``param_dtype``), of the gradient reduction (``reduce_dtype``),
             of the forward outputs (``output_dtype``), and whether floating
@@ -171,7 +171,7 @@ def fully_shard(
     device = device_for(mesh)
     ignored = set(ignored_params or ())
     params, owners, names = _managed_params(modules, ignored)
-    # See [Note: Per-parameter meshes] in runtime/param_meshes.py
+    # See [Note: Per-parameter meshes] in runtime/meshes/param_meshes.py
     mesh_groups = group_by_mesh(params, names, shard_placement_fn, mesh_info, spmd)
     _move_buffers(modules, ignored, device)
     comm_ctx = CommContext()  # this call's, until a root's lazy init shares the root's

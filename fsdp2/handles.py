@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .runtime.hooks import FSDPState
-    from .runtime.param_group import FSDPParamGroup
+    from .runtime.group.param_group import FSDPParamGroup
+    from .runtime.hooks.state import FSDPState
 
 __all__ = ["GradientReductionHandle", "UnshardHandle"]
 

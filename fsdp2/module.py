@@ -21,11 +21,11 @@ import torch.nn as nn
 
 from .errors import FSDPAssertionError
 from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handle, reduction_handle
-from .runtime.comm_memory import use_process_group_memory, use_symm_mem
-from .runtime.hooks import FSDPState, state_of
-from .runtime.param_group import FSDPParamGroup
-from .runtime.param_meshes import check_one_group
-from .runtime.staged_collectives import AllGather, ReduceScatter, check_comm
+from .runtime.comm.comm_memory import use_process_group_memory, use_symm_mem
+from .runtime.comm.staged_collectives import AllGather, ReduceScatter, check_comm
+from .runtime.group.param_group import FSDPParamGroup
+from .runtime.hooks.state import FSDPState, state_of
+from .runtime.meshes.param_meshes import check_one_group
 
 __all__ = ["FSDPModule", "register_fsdp_forward_method", "share_comm_ctx"]
 

@@ -6,7 +6,7 @@ reference), with the implementation under test (``_impl``) and with upstream's
 ``FSDP2_FORCE_COLLECTIVES=1``, so that a one-rank group (one GPU, a one-rank
 NCCL group) runs every all-gather, reduce-scatter, copy, stream and event of a
 multi-rank run (see [Note: Forcing collectives on one rank] in
-fsdp2/runtime/force_collectives.py). It compares per-step losses and reduced
+fsdp2/runtime/comm/force_collectives.py). It compares per-step losses and reduced
 gradients and the final parameters with the reference and with upstream.
 
 ``cases(device_type)`` returns the cases as picklable ``functools.partial``

@@ -2,13 +2,13 @@
 
 ``StreamChecker`` is a stream backend of simulated streams and events: while
 it is entered, fsdp2's comm contexts take it as their backend on CPU (it
-stands in for ``fsdp2.runtime.comm_context.stream_backend_for``, as it stands
+stands in for ``fsdp2.runtime.comm.comm_context.stream_backend_for``, as it stands
 in for the collectives), so ``CommContext`` is active on CPU; every named wait
 goes through it, and it leaves out the one named by ``skip``. It records, through a ``TorchDispatchMode``, which memory each op reads and
 writes (its storages, from its schema's alias info, as torch's CUDA sanitizer
 does) on the stream it was issued on. Memory is tracked by address range, not
 by storage object: fsdp2's sharded parameters own DLPack storages over their
-group's flat buffer (fsdp2/runtime/shard_storage.py), so storages whose ranges
+group's flat buffer (fsdp2/runtime/storage/shard_storage.py), so storages whose ranges
 overlap share one history; a non-resizable (DLPack) storage going away frees
 nothing. Each stream keeps a vector clock; event records copy
 it, waits merge it, ``Event.synchronize`` merges it into every later op.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.runtime import comm_context
+from fsdp2.runtime.comm import comm_context
 
 
 class StreamOrderError(AssertionError):

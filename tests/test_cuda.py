@@ -3,7 +3,7 @@
 With the switch a one-rank shard group runs every all-gather and
 reduce-scatter through NCCL, with the copies, pinned host copies and events
 of a multi-rank run (see [Note: Forcing collectives on one rank] in
-fsdp2/runtime/force_collectives.py). The cases are tests/device_cases.py's, the ones
+fsdp2/runtime/comm/force_collectives.py). The cases are tests/device_cases.py's, the ones
 tests/test_force_collectives.py runs on CPU: parity with the unsharded
 reference and with upstream's ``fully_shard`` for fp32 and bf16 with and
 without resharding after forward, CPU offload from pinned memory, explicit

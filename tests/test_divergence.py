@@ -101,7 +101,7 @@ def _no_grad_bias(model):
 def _keys_left(world_size):
     """The divergence checks' keys still in the store, over every check on these ranks so far."""
     from fsdp2._torch_compat import default_store
-    from fsdp2.runtime import divergence
+    from fsdp2.runtime.hooks import divergence
 
     store, ranks = default_store(), tuple(range(world_size))
     checks = divergence._CHECKS[dist.group.WORLD][ranks]
@@ -266,7 +266,7 @@ def test_same_model_passes_the_check(world_size, launch_cases):
 def _fake_world(rank, world_size):
     """W=1024 under torch's fake process group: the first forward returns, nothing exchanged."""
     from fsdp2._torch_compat import init_fake_process_group
-    from fsdp2.runtime import divergence
+    from fsdp2.runtime.hooks import divergence
 
     dist.destroy_process_group()
     init_fake_process_group(1024)

@@ -206,7 +206,7 @@ def _replaced_after_lazy_init(rank, world_size):
     model[0].reshard()
     # a subclass weight (its own shard, outside the flat buffer) replaced by a
     # plain one: the group lays its buffer out again, with the weight inside
-    from fsdp2.runtime.hooks import state_of
+    from fsdp2.runtime.hooks.state import state_of
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))

@@ -1,7 +1,7 @@
 """The first step's collectives are exactly upstream's, lazy init included.
 
 fsdp2 checks at the root's lazy init that every rank shards the same model
-(``fsdp2/runtime/divergence.py``), through the default process group's store rather
+(``fsdp2/runtime/hooks/divergence.py``), through the default process group's store rather
 than a collective. So what counts the first forward's collectives sees
 exactly upstream's: torch's ``CommDebugMode`` (as upstream's
 ``test_fully_shard_communication_count`` and

@@ -1,7 +1,7 @@
 """FSDP2_FORCE_COLLECTIVES=1: a shard group of one rank runs the full collective path.
 
 Without the switch a one-rank group aliases its shards and reduces nothing
-(see [Note: Forcing collectives on one rank] in fsdp2/runtime/force_collectives.py);
+(see [Note: Forcing collectives on one rank] in fsdp2/runtime/comm/force_collectives.py);
 with it, the same all-gathers, reduce-scatters and custom comms run as on
 several ranks. The first tests count them; the last runs the device cases of
 tests/device_cases.py (the CUDA tests' bodies) on one gloo rank in forced
@@ -127,7 +127,7 @@ def test_forced_one_rank_group_calls_custom_comms(launch_cases):
                                           ("0", False), ("", False), ("no", False)])
 def test_switch_values(monkeypatch, value, forced):
     """FSDP2_FORCE_COLLECTIVES: 1/true/yes/on (any case) turn it on, anything else leaves it off."""
-    from fsdp2.runtime.force_collectives import ENV_VAR, collectives_forced, skips_collectives
+    from fsdp2.runtime.comm.force_collectives import ENV_VAR, collectives_forced, skips_collectives
 
     monkeypatch.setenv(ENV_VAR, value)
     assert collectives_forced() is forced

@@ -6,7 +6,7 @@ FSDP at W=4, into one process and into the option at W=2 (a 2x1 mesh), and
 checkpoints of plain FSDP and of one process load into the option. Each load
 must give the saved parameters and optimizer state to the bit (compared as
 full tensors), and training must go on as it would have. See [Note: Replica
-slices] in fsdp2/runtime/replica_slices.py.
+slices] in fsdp2/runtime/group/replica_slices.py.
 """
 
 from __future__ import annotations

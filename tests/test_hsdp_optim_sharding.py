@@ -12,7 +12,7 @@ scheduler, accumulation with either setter, ``step()`` leaving the
 parameters current (and stale with ``overlap_replica_gather`` until a wait),
 state dicts in plain HSDP's layout, ``handle.remove()`` and the refusals.
 Checkpoints across layouts: test_hsdp_optim_checkpoints.py; streams:
-test_streams.py. See [Note: Replica slices] in fsdp2/runtime/replica_slices.py.
+test_streams.py. See [Note: Replica slices] in fsdp2/runtime/group/replica_slices.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2.runtime import replica_slices
+from fsdp2.runtime.group import replica_slices
 
 pytestmark = fsdp2_only  # fsdp2's own option (refused for upstream's parameters: test_refusals)
 

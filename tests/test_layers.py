@@ -23,7 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("fully_shard",),
     ("module",),  # FSDPModule, the control surface
     ("handles",),
-    ("runtime",),  # the per-step engine
+    ("runtime",),  # the engine's package docstring
+    ("runtime.hooks",),  # the per-step engine, top down: hooks and lazy init,
+    ("runtime.group",),  # a group and its reduction,
+    ("runtime.comm",),  # collectives and streams,
+    ("runtime.storage",),  # a parameter and its flat buffer,
+    ("runtime.meshes",),  # meshes,
+    ("runtime.common",),  # casts, tensor trees, profiler ranges
     ("api",),  # policies and plain values
     ("errors", "versions", "_torch_compat", "agree", "claim_file", "file_tensors"),  # leaves
 ]
@@ -36,7 +42,10 @@ def _module_name(path: Path) -> str:
 
 
 def _unit(module: str) -> str:
+    """``fsdp2.x.y`` -> ``x``; the engine's subpackages are units of their own (``runtime.hooks``)."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "runtime":
+        return f"runtime.{parts[2]}"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -96,17 +105,22 @@ def test_every_unit_is_in_a_layer() -> None:
 
 def test_planted_upward_import() -> None:
     sources = _package_sources()
-    hooks = PACKAGE / "runtime" / "hooks.py"
+    hooks = PACKAGE / "runtime" / "hooks" / "state.py"
+    storage = PACKAGE / "runtime" / "storage" / "param.py"
     planted = dict(sources)
     # inside a function and under TYPE_CHECKING count as much as a top-level import
-    planted[hooks] = sources[hooks] + "\n\ndef _late():\n    from ..optim import clip_grad\n"
+    planted[hooks] = sources[hooks] + "\n\ndef _late():\n    from ...optim import clip_grad\n"
     planted[PACKAGE / "api.py"] = sources[PACKAGE / "api.py"] + (
         "\nif TYPE_CHECKING:\n    from .module import FSDPModule\n"
     )
+    # inside the engine, storage may not reach up to the group
+    planted[storage] = sources[storage] + "\n\ndef _late():\n    from ..group import param_group\n"
     problems = layer_violations(planted)
-    assert len(problems) == 2, problems
-    assert "fsdp2/runtime/hooks.py" in problems[1] and "imports fsdp2.optim" in problems[1]
+    assert len(problems) == 3, problems
     assert "fsdp2/api.py" in problems[0] and "fsdp2.module" in problems[0]
+    assert "fsdp2/runtime/hooks/state.py" in problems[1] and "imports fsdp2.optim" in problems[1]
+    assert "fsdp2/runtime/storage/param.py" in problems[2]
+    assert "'runtime.group' is not below 'runtime.storage'" in problems[2]
 
 
 def test_layers_match_design_doc() -> None:
@@ -159,11 +173,11 @@ def test_every_module_has_a_row_in_design_doc() -> None:
 
 def test_module_map_catches_planted_mistakes() -> None:
     design = (PACKAGE.parent / "docs" / "design.md").read_text()
-    modules = _package_modules() | {"runtime/new_thing.py"}  # a module nobody mapped
+    modules = _package_modules() | {"runtime/storage/new_thing.py"}  # a module nobody mapped
     row = next(r for r in design.splitlines() if r.startswith("| `agree.py`"))
     planted = design.replace(row, row.replace("`agree.py`", "`agreement.py`"))  # a stale row
     assert map_problems(planted, modules) == [
         "agree.py: a module with no row in docs/design.md",
-        "runtime/new_thing.py: a module with no row in docs/design.md",
+        "runtime/storage/new_thing.py: a module with no row in docs/design.md",
         "agreement.py: a row of docs/design.md naming no module",
     ]

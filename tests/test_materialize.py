@@ -190,7 +190,7 @@ def _state(model: nn.Module) -> dict:
 
 def _assert_views_of_flat_buffers(model: nn.Module) -> None:
     """fsdp2's layout: every sharded parameter views its group's flat buffer."""
-    from fsdp2.runtime.hooks import state_of
+    from fsdp2.runtime.hooks.state import state_of
 
     for module in model.modules():
         state = state_of(module)

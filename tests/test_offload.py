@@ -158,7 +158,7 @@ def test_default_pinned_offload_works_on_cpu_mesh(world_size, check, launch_case
 
 
 def _not_on_cpu_body(rank, world_size):
-    from fsdp2.runtime.hooks import state_of
+    from fsdp2.runtime.hooks.state import state_of
 
     model = build_transformer(seed=1)
     shard_transformer(model, fully_shard, mesh=cpu_mesh(), **NO_PIN)

@@ -10,7 +10,7 @@ root). The ways that keep one parameter (one call for all holders:
 ``fully_shard([a, b])``, a common parent, or ``ignored_params`` in every
 call) train with parity to the unsharded model. fsdp2 also rejects two ways
 upstream lets a shared parameter split silently (fsdp2-only tests, see
-[Note: A parameter belongs to one group] in fsdp2/runtime/shared_params.py).
+[Note: A parameter belongs to one group] in fsdp2/runtime/hooks/shared_params.py).
 All cases run in one launch per world size (2 and 4).
 """
 

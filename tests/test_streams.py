@@ -2,7 +2,7 @@
 
 Each planted missing wait must be caught; the training matrix must run with no
 race and match the unsharded reference. See [Note: Streams] in
-fsdp2/runtime/comm_context.py.
+fsdp2/runtime/comm/comm_context.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from fsdp2 import (
     enable_local_shard_step,
     fully_shard,
 )
-from fsdp2.runtime import comm_context
+from fsdp2.runtime.comm import comm_context
 from fsdp2.versions import ACCUMULATE_PROFILER_RANGE
 
 STEPS = 3
@@ -379,7 +379,7 @@ def _bounded(rank, world_size):
 
 
 def _peaks(rank, world_size, prefetch, max_input_buffers):
-    from fsdp2.runtime import collectives
+    from fsdp2.runtime.comm import collectives
 
     peak = {"ag": 0, "rs": 0, "groups": 0}
     originals = collectives.all_gather_output, collectives.reduce_scatter_input
@@ -440,7 +440,7 @@ def test_memory_bounded_as_upstream(launch_cases):
 
 def test_checker_tracks_memory_not_storage_objects():
     """A DLPack alias (a sharded parameter over its flat buffer) shares the buffer's history."""
-    from fsdp2.runtime.shard_storage import own_storage
+    from fsdp2.runtime.storage.shard_storage import own_storage
 
     for ordered in (False, True):
         buf = torch.zeros(8)

@@ -33,7 +33,7 @@ pytestmark = fsdp2_only  # summon_full_params is fsdp2's API: upstream fully_sha
 
 def _communicates(world_size: int) -> bool:
     """Whether a shard group of ``world_size`` ranks all-gathers (FSDP2_FORCE_COLLECTIVES at 1)."""
-    from fsdp2.runtime.force_collectives import collectives_forced
+    from fsdp2.runtime.comm.force_collectives import collectives_forced
 
     return world_size > 1 or collectives_forced()
 

@@ -40,7 +40,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 import fsdp2
-from fsdp2.runtime.hooks import state_of
+from fsdp2.runtime.hooks.state import state_of
 
 pytestmark = fsdp2_only  # shard_model is fsdp2's API; its reference is torch's FSDP1
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.tensor_tree import map_tensors
+from ..runtime.common.tensor_tree import map_tensors
 from .optim_keys import keyed_by_name
 from .rank0 import (
     MeshCopies,

@@ -44,11 +44,11 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import in_backward, local_tensor
 from ..errors import FSDPAssertionError, FSDPNotImplementedError
-from ..runtime import collectives
-from ..runtime.hooks import state_of
-from ..runtime.param import FSDPParam
-from ..runtime.param_group import FSDPParamGroup
-from ..runtime.step_state import TrainingState
+from ..runtime.comm import collectives
+from ..runtime.group.param_group import FSDPParamGroup
+from ..runtime.group.step_state import TrainingState
+from ..runtime.hooks.state import state_of
+from ..runtime.storage.param import FSDPParam
 
 __all__ = ["summon_full_params"]
 
@@ -213,7 +213,7 @@ def _check_can_summon(group: FSDPParamGroup) -> None:
             "unshard()); call it before forward or after backward, or call reshard() on the "
             "module first"
         )
-    group.wait_for_replica_gather()  # see [Note: Replica slices] in runtime/replica_slices.py
+    group.wait_for_replica_gather()  # see [Note: Replica slices] in runtime/group/replica_slices.py
     group.adopt_params()
     group.check_materialized()
     for p in group.fsdp_params:

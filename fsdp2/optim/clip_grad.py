@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import foreach_mul, foreach_norm, local_tensor, strided_split_factor
-from ..runtime.replica_slices import slices_of
+from ..runtime.group.replica_slices import slices_of
 
 __all__ = ["clip_grad_norm_"]
 

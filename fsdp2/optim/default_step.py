@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .._torch_compat import keep_step_hooks_innermost
-from ..runtime.flat_shard import flat_shard_of, flat_slot_of
+from ..runtime.storage.flat_shard import flat_shard_of, flat_slot_of
 from .step_engine import StepEngine
 from .step_plan import is_elementwise
 

@@ -2,7 +2,7 @@
 
 [Note: Flat optimizer steps]
 fsdp2 keeps each group's padded shards in one flat buffer (``FlatShard`` in
-runtime/flat_shard.py), and the reduce-scatter output is one flat gradient
+runtime/storage/flat_shard.py), and the reduce-scatter output is one flat gradient
 laid out the same way, of which each ``.grad`` is a view. For an elementwise
 optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, also
 ``foreach``; ``fused`` per parameter, see below) one update of a flat tensor is, element for element,
@@ -96,8 +96,8 @@ from .._torch_compat import (
     version_counters,
     view_base,
 )
-from ..runtime.flat_shard import flat_slot_of
-from ..runtime.shard_storage import can_own_storage, own_storage
+from ..runtime.storage.flat_shard import flat_slot_of
+from ..runtime.storage.shard_storage import can_own_storage, own_storage
 from .state_views import publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.

@@ -123,7 +123,7 @@ def enable_local_shard_step(
     must be in this optimizer; not with ``offload=`` or
     ``flat_buffers=False``. ``optimizer.state_dict()`` then all-gathers the
     slices (call it on every rank) and gives plain HSDP's layout. See
-    [Note: Replica slices] in ``runtime/replica_slices.py`` and
+    [Note: Replica slices] in ``runtime/group/replica_slices.py`` and
     docs/meshes.md.
 
     ``overlap_replica_gather`` (with ``shard_across_replicas``): ``step()``

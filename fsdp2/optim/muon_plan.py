@@ -193,7 +193,7 @@ def _expert_parallel_dims(p: DTensor) -> tuple[list[int], int | None]:
 
 def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
     """The layout of a parameter that passed ``check_param``."""
-    from ..runtime.mesh import device_for
+    from ..runtime.meshes.mesh import device_for
 
     layout = ParamLayout(name, p)
     if not isinstance(p, DTensor):

@@ -1,7 +1,7 @@
 """Stepping only this replica rank's slice of each flat run (HSDP, state sharded across replicas).
 
 ``enable_local_shard_step(optimizer, shard_across_replicas=True)`` marks every
-group of the optimizer's parameters (runtime/replica_slices.py, see [Note:
+group of the optimizer's parameters (runtime/group/replica_slices.py, see [Note:
 Replica slices] there): the gradient is reduce-scattered over replicas, and
 here each flat run (flat_run.py) steps only its part inside this rank's slice
 of the group's buffer, as one tensor, holding only that part's state
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
-from ..runtime import replica_slices
-from ..runtime.flat_shard import flat_slot_of
-from ..runtime.replica_slices import ReplicaSlices
+from ..runtime.group import replica_slices
+from ..runtime.group.replica_slices import ReplicaSlices
+from ..runtime.storage.flat_shard import flat_slot_of
 from .flat_run import FlatRun
 from .step_plan import ctor_args, elementwise_names, is_elementwise
 

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import local_tensor
-from ..runtime.flat_shard import flat_slot_of
+from ..runtime.storage.flat_shard import flat_slot_of
 from .flat_run import FlatRun
 from .state_store import UnitLayout
 

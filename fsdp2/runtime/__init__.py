@@ -1,2 +1,2 @@
-"""The per-step engine: hooks and lazy init, parameter groups, parameters and their
-flat buffers, collectives, gradient reduction, meshes, mixed precision."""
+"""The per-step engine, in layers that import only downward (``tests/test_layers.py``):
+``hooks`` > ``group`` > ``comm`` > ``storage`` > ``meshes`` > ``common``."""

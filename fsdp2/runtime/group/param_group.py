@@ -45,23 +45,23 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from .._torch_compat import local_tensor, outside_functorch
-from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_PROFILER_RANGE
-from . import collectives, staged_collectives
+from ..._torch_compat import local_tensor, outside_functorch
+from ...api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ...errors import FSDPNotImplementedError
+from ...versions import ACCUMULATE_PROFILER_RANGE
+from ..comm import collectives, staged_collectives
+from ..comm.comm_context import CommContext
+from ..comm.comm_memory import effective
+from ..comm.force_collectives import skips_collectives
+from ..common.mixed_precision import check_grad_dtypes, check_trainable_dtypes
+from ..common.profiler_ranges import record_function
+from ..meshes.mesh import FSDPMeshInfo, PostForwardMeshInfo
+from ..storage.flat_shard import FlatShard, FlatShardLayout
+from ..storage.param import FSDPParam, ShardedState
 from .backward_prefetch import prefetch_previous
-from .comm_context import CommContext
-from .comm_memory import effective
-from .flat_shard import FlatShard, FlatShardLayout
-from .force_collectives import skips_collectives
 from .gather_plan import plan_gather
 from .group_settings import UnshardSettings
-from .mesh import FSDPMeshInfo, PostForwardMeshInfo
-from .mixed_precision import check_grad_dtypes, check_trainable_dtypes
-from .param import FSDPParam, ShardedState
 from .placement_checks import check_materialized, check_on_host
-from .profiler_ranges import record_function
 from .reduction import GradientReduction
 from .step_state import PendingAllGather, StepState, TrainingState
 

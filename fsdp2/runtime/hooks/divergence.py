@@ -69,8 +69,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._torch_compat import default_store, fake_tensors_active
-from .param_group import FSDPParamGroup
+from ..._torch_compat import default_store, fake_tensors_active
+from ..group.param_group import FSDPParamGroup
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .._torch_compat import (
+from ..._torch_compat import (
     dtensor_like,
     dtensor_parameter,
     local_tensor,
@@ -67,12 +67,12 @@ from .._torch_compat import (
     set_requires_grad,
     strided_shard,
 )
-from ..errors import FSDPAssertionError
+from ...errors import FSDPAssertionError
+from ..meshes.mesh import FSDPMeshInfo
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
-from .mesh import FSDPMeshInfo
+from .param_uid import original_uid
 from .shard_layout import ShardLayout
 from .shard_storage import alias_parameter, can_own_storage, own_storage
-from .shared_params import original_uid
 
 _MODULE_SETATTR = nn.Module.__setattr__
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .param import FSDPParam
+from ..storage.param import FSDPParam
 
 
 def check_materialized(names_on_meta: list[str], module_fqn: str) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .staged_collectives import AllGather, ReduceScatter
+from ..comm.staged_collectives import AllGather, ReduceScatter
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
-from ..api import DataParallelMeshDims
+from ..._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
+from ...api import DataParallelMeshDims
 from .mesh import FSDPMeshInfo
 
 

@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._torch_compat import local_tensor
-from . import collectives
-from .comm_context import CommContext
-from .flat_shard import FlatShard, flat_shard_of
-from .param import FSDPParam
+from ..._torch_compat import local_tensor
+from ..comm import collectives
+from ..comm.comm_context import CommContext
+from ..storage.flat_shard import FlatShard, flat_shard_of
+from ..storage.param import FSDPParam
 
 
 class ReplicaSlices:

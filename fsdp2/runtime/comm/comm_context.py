@@ -63,14 +63,11 @@ import contextlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .profiler_ranges import NO_RANGE, record_function
-
-if TYPE_CHECKING:
-    from .param_group import FSDPParamGroup
+from ..common.profiler_ranges import NO_RANGE, record_function
 
 # The named cross-stream waits; see [Note: Streams].
 EDGES = (
@@ -159,7 +156,7 @@ class CommContext:
         # Resolved at the root's lazy init from every group's setting, as upstream.
         self.max_reduce_scatter_inputs = 1
         # Groups in the order their post-forward ran, for backward prefetching.
-        self.post_forward_order: list[FSDPParamGroup] = []
+        self.post_forward_order: list[Any] = []  # the groups (FSDPParamGroup), a layer up
 
     @property
     def active(self) -> bool:

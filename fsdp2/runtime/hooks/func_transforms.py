@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .tensor_tree import map_tensors
+from ..common.tensor_tree import map_tensors
 
 PreBackward = Callable[[torch.Tensor], None]
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from ..api import ShardPlacementResult, is_upstream_instance, resolve_dp_mesh_dims
-from ..errors import FSDPAssertionError
+from ...api import ShardPlacementResult, is_upstream_instance, resolve_dp_mesh_dims
+from ...errors import FSDPAssertionError
 from .dp_mesh_dims import SpmdDims
 from .mesh import FSDPMeshInfo
 

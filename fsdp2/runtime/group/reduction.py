@@ -97,17 +97,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import FSDPAssertionError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE
-from . import collectives, replica_slices
-from .comm_context import CommContext
-from .comm_memory import effective
+from ...errors import FSDPAssertionError
+from ...versions import ACCUMULATE_IN_GRAD_DTYPE
+from ..comm import collectives
+from ..comm.comm_context import CommContext
+from ..comm.comm_memory import effective
+from ..comm.staged_collectives import ReduceScatter
+from ..common.mixed_precision import GroupDtypes
+from ..meshes.mesh import FSDPMeshInfo
+from ..storage.param import FSDPParam
+from . import replica_slices
 from .group_settings import ReductionSettings
-from .mesh import FSDPMeshInfo
-from .mixed_precision import GroupDtypes
-from .param import FSDPParam
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
-from .staged_collectives import ReduceScatter
 
 
 class GradientReduction:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .._torch_compat import concatenate_meshes
-from ..errors import FSDPAssertionError
+from ..._torch_compat import concatenate_meshes
+from ...errors import FSDPAssertionError
 
 
 @dataclass(frozen=True)

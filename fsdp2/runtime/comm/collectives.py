@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import chunk_cat
-from .param import FSDPParam
+from ..._torch_compat import chunk_cat
+from ..storage.param import FSDPParam
 
 
 def all_gather(

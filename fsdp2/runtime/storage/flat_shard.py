@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .._torch_compat import local_tensor
+from ..._torch_compat import local_tensor
 from .param import FSDPParam
 
 

@@ -25,32 +25,15 @@ or sharding their common parent.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from ..storage.param_uid import ORIG_UID_ATTR
+
 if TYPE_CHECKING:
-    from .param import FSDPParam
-    from .param_group import FSDPParamGroup
-
-
-ORIG_UID_ATTR = "_fsdp2_orig_uid"
-_uids = itertools.count()
-
-
-def original_uid(param: nn.Parameter) -> int:
-    """A number naming ``param`` for good, set on it the first time FSDP manages it.
-
-    Sharding replaces the parameter on its modules, so the object itself
-    cannot tell later calls that they shard the same parameter again (see
-    [Note: A parameter belongs to one group] above).
-    """
-    uid = param.__dict__.get(ORIG_UID_ATTR)
-    if uid is None:
-        uid = next(_uids)
-        setattr(param, ORIG_UID_ATTR, uid)
-    return uid
+    from ..group.param_group import FSDPParamGroup
+    from ..storage.param import FSDPParam
 
 
 def check_shared_params(

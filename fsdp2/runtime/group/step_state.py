@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .staged_collectives import StagedAllGather
+from ..comm.staged_collectives import StagedAllGather
 
 
 class TrainingState(Enum):

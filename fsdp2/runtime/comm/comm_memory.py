@@ -36,13 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import (
+from ..._torch_compat import (
     process_group_allocate,
     process_group_allocates,
     symm_mem_empty,
     symm_mem_rendezvous,
 )
-from ..errors import FSDPAssertionError
+from ...errors import FSDPAssertionError
 from . import collectives
 
 
@@ -176,7 +176,7 @@ def use_process_group_memory(group: Any, enable: bool) -> None:
 
 def use_symm_mem(group: Any, backend: str) -> None:
     """``set_symm_mem_for_comm`` for one parameter group (see [Note: Communication memory])."""
-    from .._torch_compat import set_symm_mem_backend
+    from ..._torch_compat import set_symm_mem_backend
 
     method = "set_symm_mem"
     check_not_custom(group.settings.all_gather_comm, SymmMemAllGather, method, "all gather")

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..storage.param import FSDPParam
 from . import collectives
-from .param import FSDPParam
 
 
 class AllGather(Protocol):

@@ -79,23 +79,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._torch_compat import (
+from ..._torch_compat import (
     functorch_active,
     in_backward,
     queue_backward_callback,
 )
-from ..api import MixedPrecisionPolicy
-from .comm_context import CommContext
-from .comm_memory import check_max_input_buffers
+from ...api import MixedPrecisionPolicy
+from ..comm.comm_context import CommContext
+from ..comm.comm_memory import check_max_input_buffers
+from ..common.mixed_precision import cast_args, cast_floating, input_cast_dtype
+from ..common.profiler_ranges import record_function
+from ..common.tensor_tree import map_tensors, tensors_in
+from ..group.param_group import FSDPParamGroup
+from ..group.step_state import TrainingState
 from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
-from .mixed_precision import cast_args, cast_floating, input_cast_dtype
-from .param_group import FSDPParamGroup
 from .post_backward_node import register_post_backward
-from .profiler_ranges import record_function
 from .shared_params import check_shared_params
-from .step_state import TrainingState
-from .tensor_tree import map_tensors, tensors_in
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import MixedPrecisionPolicy
-from ..errors import FSDPNotImplementedError
-from ..versions import ACCUMULATE_IN_GRAD_DTYPE
-from .flat_shard import FlatShardLayout
-from .mixed_precision import GroupDtypes, resolve_dtypes
-from .param import FSDPParam
+from ...api import MixedPrecisionPolicy
+from ...errors import FSDPNotImplementedError
+from ...versions import ACCUMULATE_IN_GRAD_DTYPE
+from ..common.mixed_precision import GroupDtypes, resolve_dtypes
+from ..storage.flat_shard import FlatShardLayout
+from ..storage.param import FSDPParam
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..api import MixedPrecisionPolicy
-from ..errors import FSDPAssertionError
-from ..versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
+from ...api import MixedPrecisionPolicy
+from ...errors import FSDPAssertionError
+from ...versions import REDUCE_IN_PARAM_DTYPE_BY_DEFAULT
 from .tensor_tree import map_tensors
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import profiler_enabled
+from ..._torch_compat import profiler_enabled
 
 NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._torch_compat import functorch_active, tree_flatten, tree_unflatten
-from .param_group import FSDPParamGroup
+from ..._torch_compat import functorch_active, tree_flatten, tree_unflatten
+from ..group.param_group import FSDPParamGroup
 
 # each group of a state with the modules run in one use (None: a group of one module)
 GroupUses = tuple[tuple[FSDPParamGroup, "set[nn.Module] | None"], ...]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import premul_sum_op
+from ..._torch_compat import premul_sum_op
 
 # Dtypes in which a sum over ranks cannot overflow or lose the small values.
 _SAFE_SUM_DTYPES = (torch.float32, torch.bfloat16)

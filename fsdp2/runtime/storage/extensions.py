@@ -64,8 +64,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..api import MixedPrecisionPolicy
-from ..errors import FSDPAssertionError
+from ...api import MixedPrecisionPolicy
+from ...errors import FSDPAssertionError
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"

@@ -1,0 +1,1 @@
+"""Collectives and streams: batched all-gather / reduce-scatter, their buffers, the comm context."""

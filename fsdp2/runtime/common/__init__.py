@@ -1,0 +1,1 @@
+"""What every layer of the engine reads: mixed-precision casts, tensor trees, profiler ranges."""

@@ -1,0 +1,1 @@
+"""Meshes: the shard and replicate dims of a group, per-parameter meshes, SPMD meshes."""
