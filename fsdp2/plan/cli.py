@@ -4,6 +4,7 @@
         --seq-len 4096 --plot plan.png --json plan.json
     python -m fsdp2.plan --model examples/model.py:demo_model --world-size 2 --seq-len 64
     python -m fsdp2.plan --hf-config llama-3-8b --world-size 64 --search --memory-limit 60
+    python -m fsdp2.plan --hf-config deepseek-v3 --layouts --world-size 8,64,256,1024
 
 ``--hf-config`` takes a ``config.json`` path or a shipped name
 (``llama-3-8b``, ``llama-3-70b``, ``gpt2``; see ``--list-configs``).
@@ -17,12 +18,15 @@ import os
 import sys
 import warnings
 
+import torch
+
 from fsdp2.plan.cost import DEVICES, get_device
+from fsdp2.plan.layouts import config_groups, layout_rows, layout_table, module_groups
 from fsdp2.plan.planner import plan
 from fsdp2.plan.report import search_table
 from fsdp2.plan.search import search
 from fsdp2.plan.simulate import DTYPES, OPTIMIZERS, PlanConfig
-from fsdp2.plan.workload import shipped_configs
+from fsdp2.plan.workload import build_model, load_hf_config, select_groups, shipped_configs
 
 GiB = 1024**3
 
@@ -39,6 +43,28 @@ def _bool_or_int(text: str) -> bool | int:
         raise argparse.ArgumentTypeError(
             f"--reshard-after-forward {text!r}: expected true, false or an int (ranks per group)"
         ) from None
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--world-size {text!r}: expected sizes >= 1 (8 or 8,64)")
+    return sizes
+
+
+def _layouts(args: argparse.Namespace) -> str:
+    """The ``--layouts`` report: shapes from the config (analytically) or from the model on meta."""
+    if args.hf_config is not None:
+        groups = config_groups(load_hf_config(args.hf_config))
+    else:
+        with torch.device("meta"):
+            model = build_model(None, args.model, torch.float32)
+        patterns = args.groups.split(",") if args.groups else None
+        groups = module_groups(model, select_groups(model, patterns))
+    return layout_table(layout_rows(groups, args.world_size))
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -63,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="module:function or file.py:function returning an nn.Module")
     src.add_argument("--list-configs", action="store_true", help="list the shipped configs")
     run = p.add_argument_group("parallelism and training")
-    run.add_argument("--world-size", type=int, default=8)
+    run.add_argument("--world-size", type=_world_sizes, default=(8,),
+                     help="ranks (with --layouts: several, comma-separated)")
     run.add_argument("--mesh", type=_mesh, help="replicate,shard[,tp] sizes (default: W)")
     run.add_argument(
         "--groups",
@@ -96,9 +123,18 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", metavar="OUT", help="write the numbers as JSON")
     out.add_argument("--plot", metavar="OUT.png", help="plot live memory across the step")
     out.add_argument("--search", action="store_true", help="rank configurations by step time")
+    out.add_argument("--layouts", action="store_true",
+                     help="the padding of each shard layout (dim-0 chunks, parameter-major rows, "
+                     "tiles, blocks) at each --world-size (a comma list here); builds nothing")
     out.add_argument("--memory-limit", type=float, metavar="GIB",
                      help="search: memory limit per rank (default: the device's memory)")
     return p
+
+
+def _one_world_size(sizes: tuple[int, ...]) -> int:
+    if len(sizes) != 1:
+        raise ValueError(f"--world-size {','.join(map(str, sizes))}: give one size (several only with --layouts)")
+    return sizes[0]
 
 
 def config_from_args(args: argparse.Namespace) -> PlanConfig:
@@ -106,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
     return PlanConfig(
         hf_config=args.hf_config,
         model=args.model,
-        world_size=args.world_size,
+        world_size=_one_world_size(args.world_size),
         mesh=args.mesh,
         groups=args.groups.split(",") if args.groups else None,
         dtype=args.dtype,
@@ -135,6 +171,13 @@ def main(argv: list[str] | None = None) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             parser().error("--plot needs matplotlib, which fsdp2 does not depend on: pip install matplotlib")
+    if args.layouts:
+        try:
+            print(_layouts(args))
+        except (ValueError, ImportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        return
     warnings.filterwarnings("ignore")  # fake tensors and DTensor on CPU warn; nothing to act on
     overrides = {
         k: getattr(args, k)
