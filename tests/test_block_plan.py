@@ -103,16 +103,21 @@ def test_worked_plan() -> None:
     plan = plan_blocks([(3,), (4,)], ["rows", "whole"], 2)
     assert (plan.shard_numel, plan.starts) == (4, (0, 4))
     assert [p.index for p in plan.pieces(1)] == [1]
-    # A flat block of 4 in a (3, 3) weight: the boundary falls after element 4 or 8.
-    plan = plan_blocks([(3, 3)], [4], 2)
-    assert plan.shard_numel == 5 and plan.starts == (1,)  # one padding element first
+    # Flat blocks of 4 in a (4, 3) weight: cuts every lcm(3, 4) = 12 elements,
+    # so the whole weight goes to one rank.
+    plan = plan_blocks([(4, 3), (8,)], [4, 4], 2)
+    assert (plan.shard_numel, plan.starts) == (12, (0, 12))
+    assert plan.pieces(1) == [Piece(1, 0, 8, 0)]
 
 
-def test_tiles_cut_between_bands_and_matrices() -> None:
-    # A stack of two (3, 4) matrices with (2, 2) tiles: bands of 2 rows (8
-    # elements), the third row a short band; cuts at 8, 12, 20 within the stack.
-    blocks = blocks_of((2, 3, 4), (2, 2))
-    assert [q for q in range(1, 24) if blocks.is_cut(q)] == [8, 12, 20]
+def test_every_cut_falls_between_rows() -> None:
+    # so that a rank's part of a parameter is whole rows (a DTensor placement names it)
+    cuts = lambda shape, g: [q for q in range(1, blocks_of(shape, g).numel) if blocks_of(shape, g).is_cut(q)]  # noqa: E731
+    assert cuts((5, 4), (2, 2)) == [8, 16]  # bands of 2 rows
+    assert cuts((2, 3, 4), (2, 2)) == [12]  # a stack: between matrices
+    assert cuts((6, 6), 4) == [12, 24]  # flat blocks of 4 whole: every lcm(6, 4) elements
+    assert cuts((9,), 4) == [4, 8]  # a vector: its elements are its rows
+    assert cuts((3, 4), "whole") == []
     assert blocks_of((5,), (128, 128)) == blocks_of((5,), "rows")  # vectors have no tiles
 
 

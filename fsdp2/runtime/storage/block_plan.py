@@ -6,15 +6,20 @@ in one flat buffer, in registration order, and rank ``r`` holds the range
 ``[r * S, (r + 1) * S)`` of it. Every rank holds the same ``S`` elements (the
 collectives need equal blocks), so where a rank boundary falls inside a
 parameter is fixed by ``S`` and by where the parameter starts. Each
-parameter has a *granularity*, the blocks a boundary may not cut:
+parameter has a *granularity*, the blocks a boundary may not cut. A
+boundary always falls between rows (slices along dim 0), so that what a rank
+holds of a parameter is a run of whole rows, which a DTensor placement can
+name; the granularity then says which row boundaries qualify:
 
-- ``"rows"``: whole slices along dim 0 (the default, as ``Shard(0)``);
-- an ``int`` ``b``: flat blocks of ``b`` elements of the flattened
-  parameter (a quantization block, e.g. 256);
-- a pair ``(th, tw)``: tiles of the last two dims; a contiguous range can
-  only hold whole tiles if it holds whole bands of ``th`` rows, so a boundary
-  falls between bands (or between matrices of a 3-D stack);
-- ``"whole"``: the parameter is never cut (one owner).
+- ``"rows"``: every one (the default, as ``Shard(0)``);
+- an ``int`` ``b``: those that are also a multiple of ``b`` elements into
+  the flattened parameter, so flat blocks of ``b`` (a quantization block,
+  e.g. 256) stay whole: every ``lcm(row, b)`` elements;
+- a pair ``(th, tw)``: tiles of the last two dims of a matrix: a run of rows
+  holds whole tiles only as whole bands of ``th`` rows, so every ``th``
+  rows; a stack of matrices (3-D and up) is cut between matrices, which
+  hold whole tiles;
+- ``"whole"``: none (one owner holds the parameter).
 
 ``plan_blocks`` places the parameters in order, each at the first offset at
 or after the previous one's end from which every rank boundary inside it
@@ -38,35 +43,32 @@ Granularity = str | int | tuple[int, int]
 
 @dataclass(frozen=True)
 class Blocks:
-    """The offsets inside one parameter (of ``numel`` elements) where a rank boundary may fall.
-
-    An offset ``q`` (``0 < q < numel``) is a cut when ``q % period`` is a
-    multiple of ``step``: ``period`` is one matrix of a tiled stack (else the
-    whole parameter), ``step`` the block inside it.
-    """
+    """Where a rank boundary may fall inside one parameter: every ``step`` elements (``step >= numel``: nowhere)."""
 
     numel: int
     step: int
-    period: int
 
     def is_cut(self, q: int) -> bool:
-        return (q % self.period) % self.step == 0
+        return q % self.step == 0
 
     def floor_cut(self, x: int) -> int:
-        """The largest cut ``<= x`` (0 when there is none above 0)."""
-        base = x - x % self.period
-        return base + ((x - base) // self.step) * self.step
+        """The largest cut ``<= x``."""
+        return x - x % self.step
+
+    @property
+    def whole(self) -> bool:
+        return self.step >= self.numel
 
 
 def blocks_of(shape: Sequence[int], granularity: Granularity, name: str = "parameter") -> Blocks:
     """The blocks ``granularity`` makes of a parameter of ``shape``; ``ValueError`` if it has none."""
     numel = math.prod(shape)
     whole = max(numel, 1)
+    row = max(math.prod(shape[1:]), 1) if len(shape) > 1 else 1
     if granularity == "whole" or numel == 0:
-        return Blocks(numel, whole, whole)
+        return Blocks(numel, whole)
     if granularity == "rows":
-        row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        return Blocks(numel, max(row, 1), whole)
+        return Blocks(numel, row)
     if isinstance(granularity, bool) or not isinstance(granularity, (int, tuple)):
         raise ValueError(
             f"{name}: granularity {granularity!r} is not one of 'rows', 'whole', a block "
@@ -75,13 +77,12 @@ def blocks_of(shape: Sequence[int], granularity: Granularity, name: str = "param
     if isinstance(granularity, int):
         if granularity < 1:
             raise ValueError(f"{name}: a block of {granularity} elements; give a size >= 1")
-        return Blocks(numel, granularity, whole)
+        return Blocks(numel, min(math.lcm(row, granularity), whole))
     if len(granularity) != 2 or not all(isinstance(t, int) and t >= 1 for t in granularity):
         raise ValueError(f"{name}: tile {granularity!r} is not a pair of sizes >= 1 (rows, cols)")
-    if len(shape) < 2:  # vectors have no tiles: whole elements, like rows
-        return Blocks(numel, 1, whole)
-    rows, cols = shape[-2], shape[-1]
-    return Blocks(numel, min(granularity[0], rows) * cols, rows * cols)
+    if len(shape) != 2:  # vectors: whole elements; stacks: whole matrices
+        return Blocks(numel, row)
+    return Blocks(numel, min(granularity[0], shape[0]) * row)
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _smallest_share(blocks: list[Blocks], world_size: int, low: int) -> int:
     the group past ``W * share``), the share doubles its way up and bisects
     back down.
     """
-    spanning = sorted({b.step for b in blocks if b.numel > low and b.step < b.numel})
+    spanning = sorted({b.step for b in blocks if b.numel > low and not b.whole})
     common = math.lcm(*spanning) if spanning else 1
     candidates = {_round_up(low, common)} | {_round_up(low, s) for s in spanning}
     candidates |= set(range(low, low + _NEAR))
@@ -207,7 +208,7 @@ def plan_blocks(
     blocks = [blocks_of(s, g, n) for s, g, n in zip(shapes, granularities, names, strict=True)]
     numels = tuple(b.numel for b in blocks)
     total = sum(numels)
-    low = max([-(-total // world_size), 1] + [b.numel for b in blocks if b.floor_cut(b.numel - 1) == 0])
+    low = max([-(-total // world_size), 1] + [b.numel for b in blocks if b.whole])
     share = _smallest_share(blocks, world_size, low)
     starts = _fit(blocks, world_size, share)
     return BlockPlan(world_size, share, tuple(starts), numels)
