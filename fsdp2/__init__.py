@@ -26,6 +26,7 @@ from .optim.muon import Muon, MuonLoad
 CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy = (
     api.CPUOffloadPolicy, api.MixedPrecisionPolicy, api.OffloadPolicy)
 DataParallelMeshDims, ShardPlacementResult = api.DataParallelMeshDims, api.ShardPlacementResult
+RaggedShard = api.RaggedShard
 
 __all__ = [
     # torch.distributed.fsdp's public API, same names and signatures
@@ -51,6 +52,7 @@ __all__ = [
     "Muon",
     "MuonLoad",
     "OptimizerOffloadPolicy",
+    "RaggedShard",
     "TorchPatch",
     "clip_grad_norm_",
     "disable_flat_step",

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # Checked on torch 2.6 - 2.15.
@@ -148,6 +148,8 @@ def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
     caching its hash in ``_hash`` (torch 2.4 - 2.15).
     """
     spec = template._spec
+    if any(isinstance(pl, RaggedShardBase) for pl in spec.placements):
+        return DTensor(local, spec, requires_grad=False)  # propagation would relabel it Shard(0)
     state_spec = _STATE_SPECS.get(spec)
     if state_spec is None:
         probe = DTensor(torch.empty(local.shape, dtype=local.dtype, device="meta"), spec,
@@ -554,3 +556,87 @@ def upstream_shard_placement_result() -> type | None:
     except ImportError:
         return None
     return ShardPlacementResult
+
+
+class RaggedShardBase(Shard):
+    """``Shard(0)`` whose ranks hold given runs of rows (``row_bounds``), not ``torch.chunk``'s.
+
+    The base of ``fsdp2.RaggedShard`` (the parameter-major layout's
+    placement). DTensor asks a ``Shard`` placement, through these private
+    methods, which rows each rank holds and how to gather or split them; the
+    overrides answer from ``row_bounds`` (``W + 1`` row indices, rank ``r``
+    holding ``[row_bounds[r], row_bounds[r + 1])``), so ``full_tensor()``,
+    ``redistribute`` to ``Replicate`` / ``Shard(0)`` and back, DCP's chunk
+    metadata and serialization see the true layout. Overrides
+    ``Shard._local_shard_size_and_offset``, ``Shard._to_replicate_tensor``,
+    ``Shard._replicate_to_shard`` and ``Shard._split_tensor`` (torch 2.13 -
+    2.15, checked on both; the signatures are 2.13's, which 2.15 keeps).
+    Two ragged placements are equal when their bounds are, and never equal
+    to a plain ``Shard(0)`` (DTensor caches redistribution plans by spec
+    equality: an equal ``Shard(0)`` spec would hand back ``torch.chunk``'s);
+    only ``DTensorSpec``'s shard-order check, written ``placement !=
+    Shard(dim)``, sees it as not different from ``Shard(0)``. Pointwise sharding propagation
+    labels its outputs plain ``Shard(0)``, so out-of-place DTensor math on
+    these tensors is not supported: fsdp2 steps them on local tensors.
+    """
+
+    row_bounds: tuple[int, ...] = ()
+
+    def _sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.row_bounds, self.row_bounds[1:])]
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int):
+        return self.row_bounds[rank + 1] - self.row_bounds[rank], self.row_bounds[rank]
+
+    def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
+        sizes = self._sizes()
+        most = max(sizes)
+        shards, pads = [], []
+        for start, size in zip(self.row_bounds, sizes):
+            shard = tensor.narrow(self.dim, start, size)
+            pad = most - size if with_padding else 0
+            if pad:
+                widths = [0, 0] * (tensor.dim() - self.dim - 1) + [0, pad]
+                shard = torch.nn.functional.pad(shard, widths)
+            shards.append(shard.contiguous() if contiguous else shard)
+            pads.append(pad)
+        return shards, pads
+
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        import torch.distributed._functional_collectives as funcol
+
+        sizes = self._sizes()
+        most = max(sizes)
+        pad = most - local_tensor.size(self.dim)
+        if pad:
+            widths = [0, 0] * (local_tensor.dim() - self.dim - 1) + [0, pad]
+            local_tensor = torch.nn.functional.pad(local_tensor, widths)
+        gathered = funcol.all_gather_tensor(
+            local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
+        )
+        if hasattr(gathered, "wait"):
+            gathered = gathered.wait()
+        blocks = gathered.split(most, dim=self.dim)
+        return torch.cat([b.narrow(self.dim, 0, s) for b, s in zip(blocks, sizes)], self.dim)
+
+    def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        start = self.row_bounds[shard_index]
+        size = self.row_bounds[shard_index + 1] - start
+        return local_tensor.narrow(self.dim, start, size).clone()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RaggedShardBase):
+            return self.dim == other.dim and self.row_bounds == other.row_bounds
+        # never equal to torch.chunk's Shard: DTensor's caches would hand back its plans
+        return False if isinstance(other, Placement) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        if isinstance(other, RaggedShardBase):
+            return not self == other
+        # DTensorSpec checks its shard order with `placement != Shard(dim)`: same dim passes
+        if isinstance(other, Shard) and not isinstance(other, _StridedShard):
+            return other.dim != self.dim
+        return True if isinstance(other, Placement) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((RaggedShardBase, self.dim, self.row_bounds))

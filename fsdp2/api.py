@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from ._torch_compat import upstream_shard_placement_result
+from ._torch_compat import RaggedShardBase, upstream_shard_placement_result
 from .versions import upstream_has
 
 DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has
@@ -303,3 +303,50 @@ def resolve_policies(
             f"{offload_policy.pin_memory!r}"
         )
     return mp_policy, offload_policy
+
+
+Granularity = str | int | tuple[int, int]
+
+
+class RaggedShard(RaggedShardBase):
+    """The parameter-major layout: return it from ``shard_placement_fn`` for every parameter of a call.
+
+    The group's parameters then sit whole, in registration order, in one
+    flat buffer; rank ``r`` holds the range ``[r * S, (r + 1) * S)`` of it,
+    cut only between rows and at ``granularity``'s blocks (``"rows"``; an
+    ``int`` block of elements such as 256; a tile such as ``(128, 128)``;
+    ``"whole"``: one rank holds the parameter). The all-gather output *is*
+    the unsharded parameters and the gradients are reduce-scattered from
+    their own order, so neither collective needs a reordering copy. The
+    sharded parameter is a DTensor whose placement is a ``RaggedShard`` with
+    ``row_bounds`` set: rank ``r`` holds rows ``[row_bounds[r],
+    row_bounds[r + 1])``. See docs/layouts.md.
+    """
+
+    def __init__(self, granularity: Granularity = "rows", row_bounds: tuple[int, ...] = ()) -> None:
+        super().__init__(0)
+        ok = granularity in ("rows", "whole") if isinstance(granularity, str) else (
+            isinstance(granularity, int) and not isinstance(granularity, bool) and granularity >= 1
+        ) or (
+            isinstance(granularity, tuple) and len(granularity) == 2
+            and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in granularity)
+        )
+        if not ok:
+            raise ValueError(
+                f"RaggedShard(granularity={granularity!r}): expected 'rows', 'whole', a block "
+                "size in elements (int >= 1) or a tile (rows, cols)"
+            )
+        self.granularity = granularity
+        self.row_bounds = tuple(int(b) for b in row_bounds)
+
+    def __repr__(self) -> str:
+        bounds = f", row_bounds={self.row_bounds}" if self.row_bounds else ""
+        return f"RaggedShard(granularity={self.granularity!r}{bounds})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple:
+        return (RaggedShard, (self.granularity, self.row_bounds))
+
+    def __hash__(self) -> int:
+        return super().__hash__()

@@ -12,9 +12,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._torch_compat import composable_apis, mark_composable_api
 from .api import (
+    CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    RaggedShard,
     resolve_dp_mesh_dims,
     resolve_policies,
 )
@@ -40,7 +42,9 @@ from .runtime.meshes.mesh import (
     spmd_mesh_for,
 )
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh
+from .runtime.storage.extensions import needs_own_shard
 from .runtime.storage.param import FSDPParam
+from .runtime.storage.ragged import plan_rows
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -232,10 +236,11 @@ def _make_group(
         spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
     else:
         spmd_meshes = _spmd_meshes(params, mesh_info.mesh)
+    rows = _ragged_rows(mesh_group, names, post_forward, offload_policy, spmd is not None)
     fsdp_params = [
         FSDPParam(
             p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
-            **_layout_kwargs(layouts.get(p)),
+            **_layout_kwargs(layouts.get(p)), **rows.get(p, {}),
         )
         for p in params
     ]
@@ -253,6 +258,61 @@ def _make_group(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
     )
+
+
+def _ragged_rows(
+    mesh_group: MeshGroup,
+    names: dict[nn.Parameter, str],
+    post_forward: PostForwardMeshInfo | None,
+    offload_policy: OffloadPolicy,
+    on_spmd_mesh: bool,
+) -> dict[nn.Parameter, dict[str, Any]]:
+    """``RaggedShard`` results: each parameter's rows and placement, or what it cannot do yet.
+
+    A group is parameter-major or dim-0 as a whole; see [Note: The
+    parameter-major layout] in runtime/storage/ragged.py.
+    """
+    params, mesh_info = mesh_group.params, mesh_group.mesh_info
+    requests = {p: pl for p, pl in mesh_group.placements.items() if isinstance(pl, RaggedShard)}
+    if not requests:
+        return {}
+    first = names[next(iter(requests))]
+    for p in params:
+        if p not in requests:
+            raise ValueError(
+                f"shard_placement_fn returned {mesh_group.placements[p]} for '{names[p]}' "
+                f"but a RaggedShard for '{first}': one fully_shard call is parameter-major "
+                "or dim-0 as a whole; return RaggedShard for every parameter of the call, or none"
+            )
+    refusal = None
+    if mesh_info.is_hsdp or on_spmd_mesh:
+        refusal = "HSDP and dp_mesh_dims meshes"
+    elif post_forward is not None:
+        refusal = "reshard_after_forward=<int>"
+    elif isinstance(offload_policy, CPUOffloadPolicy):
+        refusal = "CPUOffloadPolicy"
+    elif len({p.dtype for p in params}) > 1:
+        refusal = f"parameters of several dtypes ({sorted({str(p.dtype) for p in params})})"
+    if refusal is None:
+        bad = next((p for p in params if isinstance(p, DTensor) or p.dim() == 0
+                    or needs_own_shard(p)), None)
+        if bad is not None:
+            refusal = ("tensor-parallel (DTensor), 0-d or all-gather-extension parameters "
+                       f"('{names[bad]}')")
+    if refusal is not None:
+        raise FSDPNotImplementedError(
+            f"RaggedShard for '{first}': the parameter-major layout does not support "
+            f"{refusal} yet; return None from shard_placement_fn (the dim-0 layout) for "
+            "this call"
+        )
+    plan, rows = plan_rows(
+        [p.shape for p in params], [requests[p].granularity for p in params],
+        mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, [names[p] for p in params],
+    )
+    return {
+        p: {"rows": r, "placements": (RaggedShard(requests[p].granularity, r.row_bounds),)}
+        for p, r in zip(params, rows)
+    }
 
 
 def _no_deepcopy(self: nn.Module, memo: dict) -> Any:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..._torch_compat import chunk_cat
+from ..storage import ragged
 from ..storage.param import FSDPParam
 
 
@@ -124,8 +125,13 @@ def reduce_scatter_input(
     """The flat rank-major reduce-scatter input for ``grads`` (padded, chunked, in ``dtype``).
 
     ``out`` (flat, e.g. from a custom comm's ``allocate``) receives it instead
-    of a new buffer.
+    of a new buffer. In the parameter-major layout the gradients go at their
+    plan's starts instead (see [Note: The parameter-major layout] in ragged.py).
     """
+    if fsdp_params[0].ragged:
+        return ragged.reduce_scatter_input(
+            grads, [p.layout for p in fsdp_params], world_size, dtype, out
+        )
     if len(grads) == 1 and out is None:
         grad, param = grads[0], fsdp_params[0]
         even = param.padded_shard_numel * world_size == param.numel
@@ -154,6 +160,8 @@ def reduce_scatter_input(
 
 def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
     """Views of this rank's unpadded gradient rows in the reduce-scatter output."""
+    if fsdp_params and fsdp_params[0].ragged:
+        return ragged.sharded_views(output, [p.layout for p in fsdp_params])
     views = []
     offset = 0
     for p in fsdp_params:
@@ -164,6 +172,8 @@ def split_sharded_grads(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> l
 
 def padded_blocks(output: torch.Tensor, fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
     """Views of each parameter's whole block (rows and padding) in the reduce-scatter output."""
+    if fsdp_params and fsdp_params[0].ragged:
+        return ragged.shard_blocks(output, [p.layout for p in fsdp_params])
     views = []
     offset = 0
     for p in fsdp_params:

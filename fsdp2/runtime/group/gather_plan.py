@@ -65,7 +65,8 @@ def plan_gather(
             p.extension.param_dtype = p.param_dtype or p.dtype
     for p in fsdp_params:  # See [Note: Gradient accumulation dtype] in reduction.py
         p.grad_dtype = dtypes.reduce if ACCUMULATE_IN_GRAD_DTYPE else None
-    cast = [p.param_dtype is not None for p in fsdp_params if p.flat_numel > 0]
+    # parameter-major: every rank decides alike, also one holding no rows of some
+    cast = [p.param_dtype is not None for p in fsdp_params if p.flat_numel > 0 or p.ragged]
     plan = GatherPlan(
         extensions=bool(with_ext),
         copy_in=(offload and device.type != "cpu") or any(cast),

@@ -114,6 +114,9 @@ class FSDPParamGroup:
         pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         buffer_device = torch.device("cpu") if self.offload else device
         self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory)
+        # RaggedShard: see [Note: The parameter-major layout] in ragged.py
+        self.param_major = bool(fsdp_params) and fsdp_params[0].ragged
+        self._gathered: torch.Tensor | None = None
         self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather (GatherPlan)
         self.reduction = GradientReduction(
             fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
@@ -279,13 +282,16 @@ class FSDPParamGroup:
             # the kept post-forward shard was written ('cat') on the compute stream
             ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
+        single = len(self.fsdp_params) == 1 and not self.param_major
         with record_function("FSDP::all_gather", self.module_fqn, pg=self.range_pg):
-            if len(self.fsdp_params) == 1:  # on the compute stream, which frees it
+            if single:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
                 )
             with ctx.use(ctx.copy_in if streams else None):
-                if len(self.fsdp_params) != 1:
+                if self.param_major:  # the parameters view it: no copy-out
+                    output = self._gathered_output(world_size * shard_numel, dtype)
+                elif not single:
                     output = collectives.all_gather_output(
                         self.fsdp_params, shard_numel, world_size, dtype, self.device
                     )
@@ -308,8 +314,31 @@ class FSDPParamGroup:
         if not async_op and not streams:
             self.wait_for_unshard()
 
+    def _gathered_output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The parameter-major all-gather output, which the unsharded parameters view.
+
+        One buffer per group, kept: resharding frees its storage and the next
+        unshard grows it back, as each parameter's ``padded_full`` in the dim-0
+        layout (see [Note: The parameter-major layout] in ragged.py).
+        """
+        out = self._gathered
+        if out is None or out.dtype != dtype or out.device != self.device or out.numel() != numel:
+            out = self._gathered = torch.empty(numel, dtype=dtype, device=self.device)
+        storage = out.untyped_storage()
+        if storage.size() != numel * out.element_size():
+            storage.resize_(numel * out.element_size())
+        for p in self.fsdp_params:
+            p.view_gathered(out, p.layout.start)
+        return out
+
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
+        if self.param_major:
+            raise FSDPNotImplementedError(
+                f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather with "
+                "the default collective only (no custom all-gather comm, extension or "
+                "per-parameter casts yet); return None from shard_placement_fn for this module"
+            )
         ctx = self.comm_ctx
         if ctx.active and on_comm_streams:  # copy-in and collective on the copy-in stream
             ctx.release_all_gather()
@@ -382,8 +411,9 @@ class FSDPParamGroup:
             ctx.wait_event("all_gather->copy_out", ctx.current(), event)
         step.post_forward_flat = None
         params = self.layout.in_order(self.fsdp_params)
-        with record_function("FSDP::all_gather_copy_out", self.module_fqn, pg=self.range_pg):
-            collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
+        if not self.param_major:  # the parameter-major output is the parameters already
+            with record_function("FSDP::all_gather_copy_out", self.module_fqn, pg=self.range_pg):
+                collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()

@@ -353,7 +353,10 @@ class GradientReduction:
             comm = effective(self.settings.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
-                numel = world_size * sum(p.padded_shard_numel for p in fsdp_params)
+                numel = world_size * (
+                    fsdp_params[0].layout.shard_numel if fsdp_params[0].ragged
+                    else sum(p.padded_shard_numel for p in fsdp_params)
+                )
                 out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
             rs_input = collectives.reduce_scatter_input(
                 grads, fsdp_params, world_size, reduce_dtype, out=out

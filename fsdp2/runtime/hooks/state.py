@@ -92,6 +92,7 @@ from ..common.profiler_ranges import record_function
 from ..common.tensor_tree import map_tensors, tensors_in
 from ..group.param_group import FSDPParamGroup
 from ..group.step_state import TrainingState
+from ..storage.ragged import load_rows
 from .divergence import check_same_model
 from .func_transforms import hook_outputs_in_transform
 from .post_backward_node import register_post_backward
@@ -569,12 +570,21 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
         group.reshard()
         group.adopt_params()
 
-    def before_load(*args: Any, **kwargs: Any) -> None:
+    loaded_here: list[str] = []  # parameter-major keys this load wrote itself
+
+    def before_load(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
+                    *args: Any) -> None:
         group.wait_for_replica_gather()
         group.reshard()
+        if group.param_major and not local_metadata.get("assign_to_params_buffers", False):
+            loaded_here.extend(load_rows(module, group.fsdp_params, state_dict, prefix, args[-1]))
 
-    def after_load(*args: Any, **kwargs: Any) -> None:
+    def after_load(module: nn.Module, incompatible: Any) -> None:
         group.mark_params_replaced()
+        if loaded_here:
+            handled = set(loaded_here)
+            loaded_here.clear()
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in handled]
 
     holders = {module: None for p in group.fsdp_params for module, _ in p.module_infos}
     for module in holders:

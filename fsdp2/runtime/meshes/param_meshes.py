@@ -30,8 +30,8 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from ...api import ShardPlacementResult, is_upstream_instance, resolve_dp_mesh_dims
-from ...errors import FSDPAssertionError
+from ...api import RaggedShard, ShardPlacementResult, is_upstream_instance, resolve_dp_mesh_dims
+from ...errors import FSDPAssertionError, FSDPNotImplementedError
 from .dp_mesh_dims import SpmdDims
 from .mesh import FSDPMeshInfo
 
@@ -95,12 +95,20 @@ def _resolve(result: Any, name: str) -> tuple[Shard | None, object]:
     """``(placement, mesh-info object or _DEFAULT)`` of one ``shard_placement_fn`` result."""
     if result is None:
         return None, _DEFAULT
+    if isinstance(result, RaggedShard):  # the parameter-major layout, on the call's mesh
+        return result, _DEFAULT
     if type(result) is Shard:
         return result, _DEFAULT
     if isinstance(result, ShardPlacementResult) or is_upstream_instance(
         result, "ShardPlacementResult"
     ):
         placement = result.placement
+        if isinstance(placement, RaggedShard):
+            raise FSDPNotImplementedError(
+                f"shard_placement_fn returned a ShardPlacementResult holding {placement} for "
+                f"'{name}': the parameter-major layout runs on the call's own mesh only; "
+                "return the RaggedShard itself"
+            )
         if placement is not None and not isinstance(placement, Shard):
             raise FSDPAssertionError(
                 f"Expected Shard, got {type(placement)}: {placement}\nfsdp2: the "

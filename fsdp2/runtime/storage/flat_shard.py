@@ -68,6 +68,13 @@ class FlatShardLayout:
         self.order = order
         self.starts = [0] * len(fsdp_params)
         self.stops = [0] * len(fsdp_params)
+        if fsdp_params and all(p.ragged for p in fsdp_params):
+            # the plan's places, gaps between (see [Note: The parameter-major layout])
+            for i, p in enumerate(fsdp_params):
+                self.starts[i] = p.layout.shard_offset
+                self.stops[i] = p.layout.shard_offset + sizes[i]
+            self.numel = fsdp_params[0].layout.shard_numel
+            return
         offset = 0
         for i in order:
             self.starts[i], offset = offset, offset + sizes[i]
@@ -185,6 +192,9 @@ class FlatShard:
 
     def _zero_padding(self) -> None:
         # Padding rows are gathered but never read; zeros keep them deterministic.
+        if self.fsdp_params and self.fsdp_params[0].ragged:
+            self.buffer.zero_()  # the gaps between parameters (values are written after)
+            return
         for i, p in enumerate(self.fsdp_params):
             if p.in_flat and p.local_rows < p.shard_rows:
                 self.slot(i)[p.local_rows * p.row_numel :].zero_()

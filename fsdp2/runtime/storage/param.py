@@ -71,10 +71,18 @@ from ...errors import FSDPAssertionError
 from ..meshes.mesh import FSDPMeshInfo
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .param_uid import original_uid
+from .ragged import RaggedRows
 from .shard_layout import ShardLayout
 from .shard_storage import alias_parameter, can_own_storage, own_storage
 
 _MODULE_SETATTR = nn.Module.__setattr__
+
+
+def _same_ragged(placements: tuple[Placement, ...], expected: tuple[Placement, ...]) -> bool:
+    # explicit: torch's Shard compares equal to any placement of the same dim
+    return len(placements) == len(expected) and all(
+        type(a) is type(b) and a == b for a, b in zip(placements, expected)
+    )
 
 class ShardedState(Enum):
     SHARDED = auto()  # sharded DTensor parameters are registered on the modules
@@ -101,6 +109,7 @@ class FSDPParam:
         spmd_mesh: DeviceMesh | None = None,
         placements: tuple[Placement, ...] | None = None,
         dp_dims: frozenset[int] = frozenset(),
+        rows: RaggedRows | None = None,
     ) -> None:
         self.module_infos = module_infos
         self.orig_uid = original_uid(param)
@@ -119,8 +128,12 @@ class FSDPParam:
             self.global_size, self.global_stride = self.orig_size, self.orig_stride
         self.dtype = param.dtype
         self.shard_dim = shard_dim
-        self.layout = ShardLayout(self.orig_size, shard_dim, mesh_info.shard_mesh_size,
-                                  mesh_info.shard_mesh_rank)
+        # The parameter-major layout's run of rows, or torch.chunk's (see [Note: The
+        # parameter-major layout] in ragged.py)
+        self.ragged = rows is not None
+        self.layout: ShardLayout | RaggedRows = rows or ShardLayout(
+            self.orig_size, shard_dim, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank
+        )
         self.row_numel, self.shard_rows = self.layout.row_numel, self.layout.shard_rows
         self.local_rows, self.local_size = self.layout.local_rows, self.layout.local_size
         self.padded_shard_numel = self.layout.padded_shard_numel
@@ -131,6 +144,7 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter | None = None
         self._held_grad: torch.Tensor | None = None  # no-sync gradients in the reduce dtype
         self._aliased: torch.Tensor | None = None  # the shard the unsharded param views (W=1)
+        self._gathered_from: torch.Tensor | None = None  # parameter-major: the group's output
         # Where the unsharded parameter differs from the sharded one (set by the
         # group): its dtype under mixed precision, its device under CPU offload.
         self.param_dtype: torch.dtype | None = None
@@ -173,6 +187,7 @@ class FSDPParam:
         return not needs_own_shard(local)
 
     def _forget_unsharded(self) -> None:
+        self._gathered_from = None
         self.unsharded_param = None
         self.padded_full = None
         self._unsharded_data = None
@@ -245,9 +260,12 @@ class FSDPParam:
             shape=self.global_size,
             stride=self.global_stride,
         )
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=source.requires_grad)
-        # nn.Parameter detaches, which aliases; point it back at the slot view.
-        set_local_tensor(self.sharded_param, local)
+        if self.ragged:  # a detach would relabel the placement plain Shard(0)
+            self.sharded_param = dtensor_parameter(dtensor, local, source.requires_grad)
+        else:
+            self.sharded_param = nn.Parameter(dtensor, requires_grad=source.requires_grad)
+            # nn.Parameter detaches, which aliases; point it back at the slot view.
+            set_local_tensor(self.sharded_param, local)
         self.register(self.sharded_param)
 
     @torch.no_grad()
@@ -349,6 +367,12 @@ class FSDPParam:
                 f"DTensor of shape {tuple(self.global_size)}; load a sharded state dict "
                 "(DTensor values) or copy values in place instead"
             )
+        if self.ragged and not _same_ragged(new_param.placements, self._placements):
+            raise ValueError(
+                f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
+                f"{new_param.placements}; expected {self._placements} (the parameter-major "
+                "layout's rows); load a DTensor state dict through DCP, or copy values in place"
+            )
         if tuple(new_param.placements) != self._placements:
             local = local_tensor(new_param)
             if self.shard_dim > 0 and local.size() != self.local_size:  # upstream's symptom
@@ -367,6 +391,21 @@ class FSDPParam:
             module._parameters[name] = new_param
 
     # ---- unsharded side -----------------------------------------------------
+
+    def view_gathered(self, output: torch.Tensor, start: int) -> None:
+        """The parameter-major layout: the unsharded parameter views the group's all-gather output.
+
+        See [Note: The parameter-major layout] in ragged.py. Called before each
+        all-gather; the view is made once per output buffer and outlives its
+        storage being freed and re-grown.
+        """
+        if self._gathered_from is output and self.unsharded_param is not None:
+            self._sync_requires_grad()
+            return
+        self._gathered_from = output
+        self.padded_full = output[start : start + self.numel]
+        self.unsharded_param = self._make_unsharded(output, start)
+        self._sync_requires_grad()
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Allocate (or re-allocate) the padded full buffer; returns it flat."""
@@ -546,7 +585,7 @@ class FSDPParam:
         local = local_tensor(param) if isinstance(param, DTensor) else param
         size = list(self.orig_size)
         if self.shard_dim == 0:
-            size[0] = self.shard_rows * self.mesh_info.shard_mesh_size
+            size[0] = self.layout.gathered_rows
         return torch.full(size, -0.0, dtype=local.dtype, device=local.device)
 
     def hold_grad_in(self, dtype: torch.dtype) -> None:

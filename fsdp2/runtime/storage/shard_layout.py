@@ -47,6 +47,11 @@ class ShardLayout:
     def padded_shard_numel(self) -> int:
         return self.shard_rows * self.row_numel
 
+    @property
+    def gathered_rows(self) -> int:
+        """Rows on the shard dim of the gathered padded tensor: ``W`` padded shards."""
+        return self.shard_rows * self.world_size
+
     def local_rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded rows of a full tensor of ``size``."""
         start = min(self.rank * self.shard_rows, self.size[self.dim])

@@ -1,0 +1,182 @@
+"""The parameter-major layout seen from one parameter and one rank: its run of rows, and the copies.
+
+[Note: The parameter-major layout]
+With ``RaggedShard`` a group is one flat buffer of whole parameters
+(``plan_blocks``: see [Note: Block-aligned shards] in block_plan.py) and
+rank ``r`` holds the range ``[r * S, (r + 1) * S)`` of it. What a rank holds
+of a parameter is a run of whole rows (``RaggedRows``), at the place the plan
+gives in its shard; a parameter it holds nothing of has an empty run there.
+The rank's shard is the group's flat buffer, as in the dim-0 layout, so the
+sharded parameters are views of the all-gather input. Two copies of the
+dim-0 layout disappear:
+
+- the all-gather output is the group's buffer itself: each unsharded
+  parameter views it at the plan's start (no ``split_with_sizes_copy``);
+- the reduce-scatter input is the gradients in the same order: one pass
+  writes each gradient at its start (its cast to the reduce dtype included)
+  and zeros the gaps, no rank-major reordering (``reduce_scatter_input``).
+
+``RaggedRows`` answers what ``ShardLayout`` answers for ``torch.chunk``
+(local rows, local size, the slot size) so ``FSDPParam`` reads either alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .block_plan import BlockPlan, Granularity, plan_blocks
+
+
+@dataclass(frozen=True)
+class RaggedRows:
+    """Rows ``[row_start, row_start + local_rows)`` of a parameter of ``size``, held by ``rank``."""
+
+    size: torch.Size
+    world_size: int
+    rank: int
+    row_bounds: tuple[int, ...]  # W + 1 row indices: rank r holds [row_bounds[r], row_bounds[r + 1])
+    start: int  # where the whole parameter sits in the group's W * S buffer
+    shard_offset: int  # where this rank's rows sit in its S-element shard
+    shard_numel: int  # S
+    dim: int = 0
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.size[1:]) if len(self.size) > 1 else 1
+
+    @property
+    def row_start(self) -> int:
+        return self.row_bounds[self.rank]
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_bounds[self.rank + 1] - self.row_bounds[self.rank]
+
+    @property
+    def shard_rows(self) -> int:
+        return self.local_rows  # no padding inside a run: the padding is between parameters
+
+    @property
+    def local_size(self) -> torch.Size:
+        return torch.Size([self.local_rows, *self.size[1:]])
+
+    @property
+    def padded_shard_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+    @property
+    def gathered_rows(self) -> int:
+        """Rows of the gathered parameter (its own: no padding rows)."""
+        return self.size[0]
+
+    def local_rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor of ``size``."""
+        return tensor.narrow(0, self.row_start, self.local_rows)
+
+
+def plan_rows(
+    shapes: Sequence[torch.Size],
+    granularities: Sequence[Granularity],
+    world_size: int,
+    rank: int,
+    names: Sequence[str],
+) -> tuple[BlockPlan, list[RaggedRows]]:
+    """The group's plan and, for each parameter, the rows ``rank`` holds."""
+    plan = plan_blocks([tuple(s) for s in shapes], granularities, world_size, names)
+    share = plan.shard_numel
+    rows = []
+    for shape, start, numel in zip(shapes, plan.starts, plan.numels):
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        bounds = []
+        for r in range(world_size + 1):  # the row each rank boundary falls on (a cut: whole rows)
+            inside = min(max(r * share - start, 0), numel)
+            bounds.append(inside // row if row else 0)
+        offset = min(max(start - rank * share, 0), share)
+        rows.append(RaggedRows(torch.Size(shape), world_size, rank, tuple(bounds), start, offset, share))
+    return plan, rows
+
+
+def reduce_scatter_input(
+    grads: list[torch.Tensor],
+    layouts: list[RaggedRows],
+    world_size: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradients at their plan's starts in one ``W * S`` buffer of ``dtype``, zeros between."""
+    share = layouts[0].shard_numel
+    flat = out.view(-1) if out is not None else torch.empty(
+        world_size * share, dtype=dtype, device=grads[0].device
+    )
+    cursor = 0
+    for grad, layout in sorted(zip(grads, layouts), key=lambda pair: pair[1].start):
+        if layout.start > cursor:
+            flat[cursor : layout.start].zero_()
+        numel = grad.numel()
+        flat[layout.start : layout.start + numel].view(grad.shape).copy_(grad)
+        cursor = layout.start + numel
+    if cursor < flat.numel():
+        flat[cursor:].zero_()
+    return flat
+
+
+def sharded_views(output: torch.Tensor, layouts: list[RaggedRows]) -> list[torch.Tensor]:
+    """Each parameter's rows in this rank's reduce-scatter output."""
+    return [
+        output[lay.shard_offset : lay.shard_offset + lay.padded_shard_numel].view(lay.local_size)
+        for lay in layouts
+    ]
+
+
+def shard_blocks(output: torch.Tensor, layouts: list[RaggedRows]) -> list[torch.Tensor]:
+    """Each parameter's part of this rank's shard, flat."""
+    return [output[lay.shard_offset : lay.shard_offset + lay.padded_shard_numel] for lay in layouts]
+
+
+def load_rows(
+    module: torch.nn.Module,
+    fsdp_params: list,  # FSDPParam (param.py imports this module)
+    state_dict: dict,
+    prefix: str,
+    error_msgs: list[str],
+) -> list[str]:
+    """``load_state_dict`` of ``module``'s parameter-major parameters: each rank's rows copied in.
+
+    DTensor's in-place ops have no ragged rule (its sharding propagation
+    knows ``torch.chunk``'s layout only), so the module's own ``copy_`` would
+    fail: the values are taken out of ``state_dict`` and written into the
+    local rows here (a value in the same layout as is; any other DTensor
+    gathered whole first, a collective every rank makes in the same order; a
+    plain tensor read as the full value). Returns the keys it loaded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    loaded = []
+    for p in fsdp_params:
+        for holder, name in p.module_infos:
+            key = prefix + name
+            if holder is not module or key not in state_dict:
+                continue
+            value = state_dict.pop(key)
+            loaded.append(key)
+            if tuple(value.shape) != tuple(p.global_size):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                    f"from checkpoint, the shape in current model is {tuple(p.global_size)}."
+                )
+                continue
+            local = p.sharded_param.to_local()
+            with torch.no_grad():
+                if isinstance(value, DTensor):
+                    same = tuple(value.placements) == tuple(p.sharded_param.placements) and all(
+                        type(a) is type(b) for a, b in zip(value.placements, p.sharded_param.placements)
+                    )
+                    rows = value.to_local() if same else p.layout.local_rows_of(value.full_tensor())
+                else:
+                    rows = p.layout.local_rows_of(value)
+                local.copy_(rows)
+    return loaded

@@ -1,0 +1,275 @@
+"""The parameter-major layout (``RaggedShard``): no copy around the collectives, same training.
+
+Each group is one flat buffer of whole parameters; rank ``r`` holds a range
+of it cut between rows at the granularity's blocks ([Note: The
+parameter-major layout] in fsdp2/runtime/storage/ragged.py). Every case runs
+at W = 1, 2, 3 and 4 in one launch per world size and checks, for each
+granularity: the placements name the rows each rank holds; training matches
+a full-batch unsharded reference (gradients after each backward, losses,
+parameters); at W = 2, where a sum of two operands cannot reorder, it matches
+the dim-0 layout bit for bit; the all-gather output *is* the unsharded
+parameters (no copy-out kernel) and the reduce-scatter input is written
+without a rank-major reorder (no ``_chunk_cat``); DCP checkpoints go from
+either layout to the other to the bit; and what the layout cannot do yet is
+refused naming the parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _impl import fsdp2_only
+from checks import assert_losses_match, check_case, train_alone, train_steps
+from models import (
+    assert_params_match,
+    build_transformer,
+    cpu_mesh,
+    full,
+    make_pair,
+    shard_transformer,
+    transformer_batch,
+    transformer_loss,
+)
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp2
+from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, RaggedShard, fully_shard
+
+pytestmark = fsdp2_only  # fsdp2's own layout
+
+STEPS = 3
+GRANULARITIES = ["rows", 16, (2, 2), "whole"]
+
+
+def _ragged(granularity):
+    return lambda param: RaggedShard(granularity)
+
+
+def _check_placements(model, rank: int, world_size: int, granularity) -> None:
+    for name, p in model.named_parameters():
+        (placement,) = p.placements
+        assert isinstance(placement, RaggedShard) and placement.granularity == granularity, name
+        bounds = placement.row_bounds
+        assert len(bounds) == world_size + 1 and bounds[0] == 0 and bounds[-1] == p.shape[0]
+        local = p.to_local()
+        assert local.shape == (bounds[rank + 1] - bounds[rank], *p.shape[1:]), name
+        assert torch.equal(local, p.full_tensor()[bounds[rank] : bounds[rank + 1]]), name
+
+
+def _pair_with_dim0(seed: int, **kwargs):
+    ref, model = make_pair(lambda: build_transformer(seed=seed))
+    dim0 = copy.deepcopy(ref)
+    return ref, model, dim0
+
+
+def _parity(rank, world_size):
+    for granularity in GRANULARITIES:
+        ref, model, dim0 = _pair_with_dim0(21)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(granularity))
+        shard_transformer(dim0, fully_shard, mesh=cpu_mesh())
+        _check_placements(model, rank, world_size, granularity)
+        batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+        ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size)
+        assert_losses_match(ref_losses, losses)
+        assert_params_match(ref, model)
+        dim0_losses = train_alone(dim0, batches, transformer_loss, rank, world_size)
+        if world_size <= 2:  # sums of at most two operands: the same bits as the dim-0 layout
+            assert losses == dim0_losses, (granularity, losses, dim0_losses)
+            for (name, p), q in zip(model.named_parameters(), dim0.parameters()):
+                assert torch.equal(full(p.detach()), full(q.detach())), (granularity, name)
+
+
+def _mixed_precision(rank, world_size):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, model, dim0 = _pair_with_dim0(22)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), mp_policy=mp, shard_placement_fn=_ragged("rows"))
+    shard_transformer(dim0, fully_shard, mesh=cpu_mesh(), mp_policy=mp)
+    batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+    losses = train_alone(model, batches, transformer_loss, rank, world_size)
+    dim0_losses = train_alone(dim0, batches, transformer_loss, rank, world_size)
+    for (name, p), q in zip(model.named_parameters(), dim0.parameters()):
+        if world_size <= 2:
+            assert torch.equal(full(p.detach()), full(q.detach())), name
+        else:  # bf16 compute: the fp32 reductions' order shows in the last bits only
+            torch.testing.assert_close(full(p.detach()), full(q.detach()), rtol=1e-3, atol=1e-4)
+    if world_size <= 2:
+        assert losses == dim0_losses
+
+
+def _accumulation_and_no_reshard(rank, world_size):
+    for kwargs, micro in (({"reshard_after_forward": False}, 1), ({}, 2)):
+        ref, model = make_pair(lambda: build_transformer(seed=23))
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(16), **kwargs)
+        batches = [transformer_batch(step, 4 * world_size) for step in range(STEPS)]
+        ref_losses, losses = train_steps(
+            ref, model, batches, transformer_loss, rank, world_size, micro_batches=micro
+        )
+        assert_losses_match(ref_losses, losses)
+        assert_params_match(ref, model)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _no_copies(rank, world_size):
+    """No copy-out after the all-gather and no rank-major reorder before the reduce-scatter."""
+    seen = {}
+    for layout in ("ragged", "dim0"):
+        model = build_transformer(seed=24)
+        fn = _ragged("rows") if layout == "ragged" else None
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+        batch = transformer_batch(0, 2 * world_size)
+        transformer_loss(model, batch).backward()  # lazy init outside the count
+        model.zero_grad()
+        with _Ops() as ops:
+            transformer_loss(model, batch).backward()
+        seen[layout] = set(ops.names)
+        if layout == "ragged" and world_size > 1:  # every unsharded parameter views one buffer
+            block = model.layers[0]
+            block.unshard()
+            params = list(block.parameters(recurse=True))
+            assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+            block.reshard()
+    def copies(names):
+        return {n.split(".")[0] for n in names} & {"split_with_sizes_copy", "_chunk_cat"}
+
+    assert not copies(seen["ragged"]), seen["ragged"]
+    if world_size > 1:  # the dim-0 layout pays both (the counter sees them)
+        assert copies(seen["dim0"]) == {"split_with_sizes_copy", "_chunk_cat"}, seen["dim0"]
+
+
+def _state_dict_and_serialization(rank, world_size):
+    model = build_transformer(seed=25)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged((2, 2)))
+    sd = model.state_dict()
+    for name, value in sd.items():
+        want = value.full_tensor()
+        for copied in (pickle.loads(pickle.dumps(value)), copy.deepcopy(value)):
+            assert copied.placements == value.placements, name
+            assert torch.equal(copied.full_tensor(), want), name
+        assert torch.equal(value.redistribute(placements=[Replicate()]).to_local(), want)
+        # accelerate's full-state-dict loader distributes with the parameter's placements:
+        # torch's distribute_tensor then makes a plain Shard(0) DTensor, of the same values
+        spread = distribute_tensor(want, value.device_mesh, value.placements)
+        assert torch.equal(spread.full_tensor(), want), name
+    # load_state_dict (no assign) from the same layout, from Shard(0) DTensors, from full tensors
+    fulls = {name: value.full_tensor() for name, value in sd.items()}
+    sources = {
+        "ragged": sd,
+        "dim0": {n: distribute_tensor(v, cpu_mesh(), [Shard(0)]) for n, v in fulls.items()},
+        "full": fulls,
+    }
+    for kind, source in sources.items():
+        other = build_transformer(seed=77)
+        shard_transformer(other, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged((2, 2)))
+        result = other.load_state_dict(source)
+        assert not result.missing_keys and not result.unexpected_keys, (kind, result)
+        for name, value in other.state_dict().items():
+            assert torch.equal(value.full_tensor(), fulls[name]), (kind, name)
+    # torch's clip_grad_norm_ on the ragged gradients: the norm of the full gradients
+    transformer_loss(model, transformer_batch(0, 2 * world_size)).backward()
+    fulls = [full(p.grad) for p in model.parameters()]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in fulls]))
+    got = fsdp2.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    torch.testing.assert_close(full(got), want)
+    # DTensor's in-place math has no ragged rule: torch's clipping fails loudly, never wrongly
+    with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+
+
+def _dcp_across_layouts(rank, world_size):
+    """DCP from the parameter-major layout to dim-0 and back: parameters and AdamW state to the bit."""
+    path = [tempfile.mkdtemp(prefix="fsdp2_ragged_") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    trained = {}
+    for layout in ("ragged", "dim0"):
+        model = build_transformer(seed=26)
+        fn = _ragged(16) if layout == "ragged" else None
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_alone(model, [transformer_batch(s, 2 * world_size) for s in range(2)],
+                    transformer_loss, rank, world_size, optim)
+        trained[layout] = (model, optim)
+    for src, dst in (("ragged", "dim0"), ("dim0", "ragged")):
+        model, optim = trained[src]
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)},
+                 checkpoint_id=f"{path[0]}_{src}")
+        target = build_transformer(seed=99)  # other values: the load must overwrite them all
+        fn = _ragged(16) if dst == "ragged" else None
+        shard_transformer(target, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+        target_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
+        train_alone(target, [transformer_batch(9, 2 * world_size)], transformer_loss, rank,
+                    world_size, target_optim)  # make its state
+        state = {"model": target.state_dict(), "optim": get_optimizer_state_dict(target, target_optim)}
+        dcp.load(state, checkpoint_id=f"{path[0]}_{src}")
+        target.load_state_dict(state["model"])
+        set_optimizer_state_dict(target, target_optim, state["optim"])
+        for (name, p), q in zip(target.named_parameters(), model.parameters()):
+            assert torch.equal(full(p.detach()), full(q.detach())), (src, dst, name)
+        got = get_optimizer_state_dict(target, target_optim)["state"]
+        want = get_optimizer_state_dict(model, optim)["state"]
+        for name, values in want.items():
+            for key, value in values.items():
+                assert torch.equal(full(got[name][key]), full(value)), (src, dst, name, key)
+        # and both go on alike
+        batch = [transformer_batch(5, 2 * world_size)]
+        assert train_alone(target, batch, transformer_loss, rank, world_size, target_optim) == \
+            train_alone(model, batch, transformer_loss, rank, world_size, optim)
+
+
+def _refusals(rank, world_size):
+    model = build_transformer(seed=27)
+    mixed = lambda p: RaggedShard() if p.dim() == 2 else None  # noqa: E731
+    with pytest.raises(ValueError, match="one fully_shard call is parameter-major or dim-0"):
+        fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=mixed)
+    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy"):
+        fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
+                    offload_policy=CPUOffloadPolicy())
+    if world_size == 4:
+        with pytest.raises(NotImplementedError, match=r"reshard_after_forward=<int>"):
+            fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
+                        reshard_after_forward=2)
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        with pytest.raises(NotImplementedError, match="HSDP"):
+            fully_shard(model.layers[0], mesh=hsdp, shard_placement_fn=_ragged("rows"))
+    with pytest.raises(ValueError, match=r"RaggedShard\(granularity=0\)"):
+        RaggedShard(0)
+    with pytest.raises(ValueError, match=r"a tile \(rows, cols\)"):
+        RaggedShard((1, 1, 1))
+
+
+CASES = {
+    "parity": _parity,
+    "mixed_precision": _mixed_precision,
+    "accumulation_and_no_reshard": _accumulation_and_no_reshard,
+    "no_copies": _no_copies,
+    "state_dict": _state_dict_and_serialization,
+    "dcp": _dcp_across_layouts,
+    "refusals": _refusals,
+}
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_layout(case, world_size, launch_cases):
+    check_case(launch_cases(world_size, CASES), case)
