@@ -21,6 +21,7 @@ fsdp2 has its own, and only recognises upstream's where torch has it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 import weakref
@@ -640,3 +641,160 @@ class RaggedShardBase(Shard):
 
     def __hash__(self) -> int:
         return hash((RaggedShardBase, self.dim, self.row_bounds))
+
+
+_RAGGED_PROPAGATION_INSTALLED = False
+
+
+def keep_ragged_placements() -> None:
+    """Teach DTensor's sharding propagation the ragged placement; installed once, on first use.
+
+    DTensor knows ``torch.chunk``'s layout only: on an op whose inputs are
+    ``RaggedShardBase`` DTensors it would label the outputs plain ``Shard(0)``
+    (values in ragged rows: a silently wrong tensor) or refuse in-place ops.
+    This wraps the propagator (``DTensor._op_dispatcher.sharding_propagator``'s
+    ``propagate_op_sharding`` and ``propagate_op_sharding_non_cached``,
+    ``OpSchema``, ``OutputSharding``, ``DTensorSpec``; torch 2.13 - 2.15,
+    checked on both): an op with ragged inputs is propagated as if they were
+    ``Shard(0)``; it runs when that needs no redistribution of a ragged input
+    and every sharded output keeps its source's rows on dim 0 (elementwise and
+    foreach ops, casts, copies, reductions over other dims or to a scalar),
+    its outputs then carry the ragged placement back; any other op raises
+    ``NotImplementedError`` (go through ``full_tensor()`` or DCP). Redistribute
+    plans (``_redistribute._gen_transform_infos`` and its non-cached twin,
+    ``_TransformInfo``)
+    between ragged rows and ``Shard(0)`` of the same dim go through
+    ``Replicate`` (torch's plan would take them for a no-op). Ops on other
+    DTensors take the original paths unchanged.
+    """
+    global _RAGGED_PROPAGATION_INSTALLED
+    if _RAGGED_PROPAGATION_INSTALLED:
+        return
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+
+    def ragged_of(spec: object) -> tuple | None:
+        if isinstance(spec, DTensorSpec) and any(
+            isinstance(p, RaggedShardBase) for p in spec.placements
+        ):
+            return spec.placements
+        return None
+
+    def plain(spec: object) -> object:
+        if ragged_of(spec) is None:
+            return spec
+        placements = tuple(Shard(p.dim) if isinstance(p, RaggedShardBase) else p
+                           for p in spec.placements)
+        return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    def wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def refusal(op_schema: Any) -> NotImplementedError:
+            return NotImplementedError(
+                f"{op_schema.op} on a DTensor with a RaggedShard placement (fsdp2's "
+                "parameter-major layout): DTensor has no rule for it; call full_tensor() "
+                "or redistribute to Replicate first, or work on to_local()"
+            )
+
+        def same_layouts(op_schema: Any) -> bool:
+            # Operands meet elementwise (foreach lists: the i-th of each list): sharded
+            # operands of one place must share one ragged placement and shape; the rest
+            # are replicated (scalars).
+            lists = [a for a in op_schema.args_schema if isinstance(a, (list, tuple))
+                     and a and all(isinstance(x, DTensorSpec) for x in a)]
+            n = len(lists[0]) if lists else 1
+            if any(len(a) != n for a in lists):
+                return False
+            singles = [a for a in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
+                       if isinstance(a, DTensorSpec) and not any(a is x for lst in lists for x in lst)]
+            for i in range(n):
+                specs = [lst[i] for lst in lists] + singles
+                sharded = [s for s in specs if any(not p.is_replicate() for p in s.placements)]
+                if not sharded:
+                    continue
+                first = sharded[0]
+                if ragged_of(first) is None or any(
+                    s.placements != first.placements or s.shape != first.shape for s in sharded
+                ):
+                    return False
+            return True
+
+        def propagate(op_schema: Any) -> Any:
+            sources = [s for s in op_schema.args_spec if ragged_of(s) is not None]
+            if not sources:
+                return original(op_schema)
+            if not same_layouts(op_schema):
+                raise refusal(op_schema)
+            plain_schema = OpSchema(
+                op_schema.op,
+                tree_unflatten([plain(x) for x in tree_flatten(op_schema.args_schema)[0]],
+                               tree_flatten(op_schema.args_schema)[1]),
+                tree_unflatten([plain(x) for x in tree_flatten(op_schema.kwargs_schema)[0]],
+                               tree_flatten(op_schema.kwargs_schema)[1]),
+                schema_info=op_schema.schema_info,
+            )
+            result = original(plain_schema)
+            refuse = result.needs_redistribute and any(
+                ragged_of(s) is not None for s in op_schema.args_spec
+            )
+            outputs, tree = tree_flatten(result.output_spec)
+            fixed = []
+            for i, out in enumerate(outputs):
+                # an output's source: the ragged input at its place in a foreach list, else the first
+                src = sources[i] if len(sources) == len(outputs) else sources[0]
+                if isinstance(out, DTensorSpec) and any(isinstance(p, Shard) for p in out.placements):
+                    rows_kept = (
+                        out.placements == plain(src).placements
+                        and out.tensor_meta is not None and src.tensor_meta is not None
+                        and out.tensor_meta.shape[:1] == src.tensor_meta.shape[:1]
+                    )
+                    if not rows_kept:
+                        refuse = True
+                        break
+                    out = DTensorSpec(out.mesh, src.placements, tensor_meta=out.tensor_meta)
+                fixed.append(out)
+            if refuse:
+                raise refusal(op_schema)
+            # a new object: the plain result may be cached for real Shard(0) inputs
+            return dataclasses.replace(result, output_spec=tree_unflatten(fixed, tree))
+
+        return propagate
+
+    cached = propagator.propagate_op_sharding
+    propagator.propagate_op_sharding_non_cached = wrap(propagator.propagate_op_sharding_non_cached)
+    propagator.propagate_op_sharding = wrap(cached)
+
+    # redistribute: torch's plan takes Shard(0) -> Shard(0) of one dim for a no-op; between
+    # ragged rows and torch.chunk's it must go through Replicate
+    from torch.distributed.tensor import Replicate, _redistribute
+
+    def through_replicate(gen: Callable[..., Any]) -> Callable[..., Any]:
+        def planned(src_spec: Any, dst_spec: Any, *args: Any, **kwargs: Any) -> Any:
+            pairs = list(zip(src_spec.placements, dst_spec.placements))
+            crossing = [
+                i for i, (s, d) in enumerate(pairs)
+                if (isinstance(s, RaggedShardBase) or isinstance(d, RaggedShardBase))
+                and isinstance(s, Shard) and isinstance(d, Shard) and not (
+                    isinstance(s, RaggedShardBase) and isinstance(d, RaggedShardBase) and s == d
+                )
+            ]
+            if not crossing:
+                return gen(src_spec, dst_spec, *args, **kwargs)
+            if len(pairs) != 1:  # the layout runs on 1-D meshes only
+                raise NotImplementedError(
+                    f"redistribute {src_spec.placements} -> {dst_spec.placements}: a RaggedShard "
+                    "placement converts on a 1-D mesh only"
+                )
+            src, dst = pairs[0]
+            info = _redistribute._TransformInfo
+            shape = list(src_spec.shape)
+            return [info(0, (src, Replicate()), shape), info(0, (Replicate(), dst), shape)]
+
+        return planned
+
+    _redistribute._gen_transform_infos = through_replicate(_redistribute._gen_transform_infos)
+    _redistribute._gen_transform_infos_non_cached = through_replicate(
+        _redistribute._gen_transform_infos_non_cached
+    )
+    _RAGGED_PROPAGATION_INSTALLED = True

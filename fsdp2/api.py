@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from ._torch_compat import RaggedShardBase, upstream_shard_placement_result
+from ._torch_compat import RaggedShardBase, keep_ragged_placements, upstream_shard_placement_result
 from .versions import upstream_has
 
 DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has
@@ -325,6 +325,7 @@ class RaggedShard(RaggedShardBase):
 
     def __init__(self, granularity: Granularity = "rows", row_bounds: tuple[int, ...] = ()) -> None:
         super().__init__(0)
+        keep_ragged_placements()  # DTensor ops on these keep them (or refuse)
         ok = granularity in ("rows", "whole") if isinstance(granularity, str) else (
             isinstance(granularity, int) and not isinstance(granularity, bool) and granularity >= 1
         ) or (

@@ -167,6 +167,11 @@ def _state_dict_and_serialization(rank, world_size):
             assert copied.placements == value.placements, name
             assert torch.equal(copied.full_tensor(), want), name
         assert torch.equal(value.redistribute(placements=[Replicate()]).to_local(), want)
+        as_dim0 = value.redistribute(placements=[Shard(0)])
+        chunks = want.chunk(world_size)
+        assert torch.equal(as_dim0.to_local(), chunks[rank] if rank < len(chunks) else want[:0])
+        assert torch.equal(as_dim0.redistribute(placements=value.placements).to_local(),
+                           value.to_local()), name
         # accelerate's full-state-dict loader distributes with the parameter's placements:
         # torch's distribute_tensor then makes a plain Shard(0) DTensor, of the same values
         spread = distribute_tensor(want, value.device_mesh, value.placements)
@@ -189,11 +194,15 @@ def _state_dict_and_serialization(rank, world_size):
     transformer_loss(model, transformer_batch(0, 2 * world_size)).backward()
     fulls = [full(p.grad) for p in model.parameters()]
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in fulls]))
-    got = fsdp2.clip_grad_norm_(model.parameters(), max_norm=1e9)
-    torch.testing.assert_close(full(got), want)
-    # DTensor's in-place math has no ragged rule: torch's clipping fails loudly, never wrongly
-    with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    for clip in (fsdp2.clip_grad_norm_, torch.nn.utils.clip_grad_norm_):
+        torch.testing.assert_close(full(clip(model.parameters(), max_norm=1e9)), want)
+    # elementwise DTensor math keeps the layout; what has no ragged rule is refused
+    p = model.layers[0].attention.wq.weight
+    doubled = p.detach() * 2 + p.detach()
+    assert doubled.placements == p.placements
+    assert torch.equal(doubled.full_tensor(), 3 * p.full_tensor())
+    with pytest.raises(NotImplementedError, match="RaggedShard placement"):
+        p.detach().t()
 
 
 def _dcp_across_layouts(rank, world_size):
