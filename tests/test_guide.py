@@ -38,6 +38,7 @@ PAGES = {
     "clients.md": 2,
     "composing.md": 2,
     "moe.md": 4,
+    "layouts.md": 3,
 }
 # pages with their own test file
 # the planner runs its own fake process group: its page runs in a fresh process

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only
+from _multiproc import run_ranks
 from checks import assert_losses_match, check_case, train_alone, train_steps
 from models import (
     assert_params_match,
@@ -36,11 +37,13 @@ from models import (
     transformer_batch,
     transformer_loss,
 )
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,6 +131,25 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def _meta_init_and_checkpointing(rank, world_size):
+    """Built on meta, sharded, to_empty, loaded from full weights; blocks under checkpoint_wrapper."""
+    ref = build_transformer(seed=29)
+    with torch.device("meta"):
+        model = build_transformer(seed=29)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+    for i, layer in enumerate(list(ref.layers)):
+        ref.layers[i] = checkpoint_wrapper(layer)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(16))
+    model.to_empty(device="cpu")
+    result = model.load_state_dict(ref.state_dict())  # full tensors into the local rows
+    assert not result.missing_keys and not result.unexpected_keys, result
+    batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+    ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size)
+    assert_losses_match(ref_losses, losses)
+    assert_params_match(ref, model)
 
 
 def _no_copies(rank, world_size):
@@ -245,6 +267,32 @@ def _dcp_across_layouts(rank, world_size):
             train_alone(model, batch, transformer_loss, rank, world_size, optim)
 
 
+def _muon(rank, world_size):
+    """fsdp2.Muon moves each matrix's rows by the ragged bounds: the same updates as on dim-0 shards."""
+    results = {}
+    for layout, granularity in (("dim0", None), ("rows", "rows"), ("whole", "whole")):
+        torch.manual_seed(28)
+        model = torch.nn.Sequential(*[torch.nn.Linear(12, 12, bias=False) for _ in range(3)])
+        fn = None if granularity is None else _ragged(granularity)
+        for layer in model:
+            fully_shard(layer, mesh=cpu_mesh(), shard_placement_fn=fn)
+        fully_shard(model, mesh=cpu_mesh(), shard_placement_fn=fn)
+        muon = fsdp2.Muon(list(model.named_parameters()), lr=0.02, momentum=0.95)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(STEPS):
+            x = torch.randn(4 * world_size, 12, generator=gen).chunk(world_size)[rank]
+            model(x).square().mean().backward()
+            muon.step()
+            muon.zero_grad()
+        results[layout] = [full(p.detach()) for p in model.parameters()]
+    for layout in ("rows", "whole"):
+        for got, want in zip(results[layout], results["dim0"]):
+            if world_size <= 2:
+                assert torch.equal(got, want), layout
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _refusals(rank, world_size):
     model = build_transformer(seed=27)
     mixed = lambda p: RaggedShard() if p.dim() == 2 else None  # noqa: E731
@@ -270,9 +318,11 @@ CASES = {
     "parity": _parity,
     "mixed_precision": _mixed_precision,
     "accumulation_and_no_reshard": _accumulation_and_no_reshard,
+    "meta_init_and_checkpointing": _meta_init_and_checkpointing,
     "no_copies": _no_copies,
     "state_dict": _state_dict_and_serialization,
     "dcp": _dcp_across_layouts,
+    "muon": _muon,
     "refusals": _refusals,
 }
 WORLD_SIZES = [1, 2, 3, 4]
@@ -282,3 +332,55 @@ WORLD_SIZES = [1, 2, 3, 4]
 @pytest.mark.parametrize("case", list(CASES))
 def test_ragged_layout(case, world_size, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
+
+
+def _snapshot(model, optim) -> tuple[dict, dict]:
+    params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    state = get_optimizer_state_dict(model, optim)["state"]
+    states = {n: {k: full(v).clone() for k, v in s.items()} for n, s in state.items()}
+    return params, states
+
+
+def _train_and_save(rank, world_size, path, layout):
+    model = build_transformer(seed=30)
+    fn = _ragged(16) if layout == "ragged" else None
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_alone(model, [transformer_batch(s, 12) for s in range(2)], transformer_loss, rank,
+                world_size, optim)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)},
+             checkpoint_id=path)
+    return _snapshot(model, optim)
+
+
+def _load(rank, world_size, path, layout):
+    model = build_transformer(seed=31)
+    fn = _ragged((2, 2)) if layout == "ragged" else None
+    shard = upstream_fully_shard if layout == "upstream" else fully_shard
+    shard_transformer(model, shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_alone(model, [transformer_batch(7, 12)], transformer_loss, rank, world_size, optim)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    return _snapshot(model, optim)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [((2, "ragged"), (4, "ragged")), ((2, "ragged"), (3, "dim0")), ((4, "dim0"), (3, "ragged")),
+     ((3, "ragged"), (1, "dim0")), ((4, "ragged"), (2, "upstream"))],
+    ids=["ragged2-ragged4", "ragged2-dim0_3", "dim0_4-ragged3", "ragged3-one_process",
+         "ragged4-upstream2"],
+)
+def test_dcp_across_world_sizes(saved, loaded, tmp_path):
+    """DCP saved at one world size and layout loads at another, parameters and AdamW state to the bit."""
+    path = str(tmp_path / "ckpt")
+    want = run_ranks(_train_and_save, saved[0], path, saved[1])[0]
+    got = run_ranks(_load, loaded[0], path, loaded[1])[0]
+    for name, value in want[0].items():
+        assert torch.equal(got[0][name], value), name
+    for name, values in want[1].items():
+        for key, value in values.items():
+            assert torch.equal(got[1][name][key], value), (name, key)

@@ -35,6 +35,7 @@ from fsdp2 import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     Muon,
+    RaggedShard,
     enable_local_shard_step,
     fully_shard,
 )
@@ -225,6 +226,12 @@ MATRIX = {
     "keep_storage": _case(keep_storage=True),
     "max_input_buffers_2": _case(max_input_buffers=2),
     "max_input_buffers_3_offload": _case(max_input_buffers=3, offload_policy=CPUOffloadPolicy()),
+    # the parameter-major layout (docs/layouts.md): gathered into the parameters, no copy-out
+    "ragged": _case(shard_placement_fn=lambda p: RaggedShard()),
+    "ragged_mixed_precision": _case(shard_placement_fn=lambda p: RaggedShard(4),
+                                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64)),
+    "ragged_prefetch_no_reshard": _case(shard_placement_fn=lambda p: RaggedShard(), prefetch=True,
+                                        reshard_after_forward=False, max_input_buffers=2),
 }
 
 
@@ -302,6 +309,7 @@ def _two_meshes_one_call(rank, world_size):
 
 
 MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
+             "ragged": _case(shard_placement_fn=lambda p: RaggedShard()),
              "replica_slices": _replica_slices,
              "hook_stream_cpu": _hook_stream_on_cpu, "two_meshes_one_call": _two_meshes_one_call}
 

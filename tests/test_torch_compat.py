@@ -50,6 +50,19 @@ PRIVATE_SYMBOLS = [
     ("torch._guards", "detect_fake_mode"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch._functorch.eager_transforms", "enable_inplace_requires_grad"),
+    # keep_ragged_placements / RaggedShardBase
+    ("torch.distributed.tensor.placement_types", "Shard._local_shard_size_and_offset"),
+    ("torch.distributed.tensor.placement_types", "Shard._to_replicate_tensor"),
+    ("torch.distributed.tensor.placement_types", "Shard._replicate_to_shard"),
+    ("torch.distributed.tensor.placement_types", "Shard._split_tensor"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached"),
+    ("torch.distributed.tensor._op_schema", "OpSchema"),
+    ("torch.distributed.tensor._op_schema", "OutputSharding"),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos_non_cached"),
+    ("torch.distributed.tensor._redistribute", "_TransformInfo"),
 ]
 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12):
     PRIVATE_SYMBOLS.append(("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"))

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import local_tensor, strided_split_factor
+from .._torch_compat import RaggedShardBase, local_tensor, strided_split_factor
 
 __all__ = ["MuonLoad", "Plan", "assign_owners", "check_param", "layout_of"]
 
@@ -217,6 +217,10 @@ def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
     layout.world_size = world
     layout.shard_dim = shard_dim
     layout.sizes = [max(0, min(per, size - j * per)) for j in range(world)]
+    placement = p.placements[mesh_dim]
+    if isinstance(placement, RaggedShardBase):  # the parameter-major layout's own rows
+        bounds = placement.row_bounds
+        layout.sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     layout.comm_device = device_for(mesh)
     return layout
 

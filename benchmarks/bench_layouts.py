@@ -1,0 +1,155 @@
+"""The two shard layouts side by side: upstream, fsdp2 dim-0 chunks, fsdp2 parameter-major.
+
+    python benchmarks/bench_layouts.py [--quick]
+
+One launch of W = 2 gloo ranks trains the demo model (benchmarks/model.py)
+under each layout, in fp32 and with bf16 mixed precision (fp32 reduce), and
+prints per rank: bytes copied outside the collectives in one step (the
+counter of instruments.py; the all-gather side and the reduce-scatter side
+apart), bytes communicated (against the analytic figure: every group's
+padded parameters gathered twice and reduced once), the peak of live bytes,
+and the median step time over interleaved steps (the slowest rank's). The
+parameter-major layout is ``shard_placement_fn=lambda p: RaggedShard()``
+on every call (docs/layouts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import torch
+from _ranks import launch
+from common import cpu_mesh, max_over_ranks, median, rotated, timed
+from instruments import CommCounter, CopyCounter, LiveBytes
+from model import REPO, batch, build_model, model_loss
+
+if REPO not in sys.path:
+    sys.path.insert(1, REPO)
+
+SHAPES = {
+    "full": {"vocab_size": 4096, "dim": 512, "n_layers": 8, "n_heads": 8, "ffn_hidden_dim": 1408},
+    "quick": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
+}
+LAYOUTS = ("torch", "fsdp2 dim-0", "fsdp2 ragged")
+# copies around the collectives, by the op that writes them
+GATHER_SIDE = ("split_with_sizes_copy", "all_gather_copy_in", "cat")
+REDUCE_SIDE = ("_chunk_cat", "chunk_cat")
+
+
+def _build(layout: str, shape: dict, mp: bool):
+    if layout == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp2 import MixedPrecisionPolicy, RaggedShard, fully_shard
+    model = build_model(0, shape)
+    kwargs = {"mesh": cpu_mesh()}
+    if mp:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if layout == "fsdp2 ragged":
+        kwargs["shard_placement_fn"] = lambda p: RaggedShard()
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return model, optim
+
+
+def _step(model, optim, i: int, rank: int, shape: dict, cfg: dict) -> None:
+    tokens, targets = batch(i, rank, cfg["batch"], cfg["seq"], shape["vocab_size"])
+    model_loss(model, tokens, targets).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _analytic_comm(model, world_size: int, mp: bool) -> int:
+    """Bytes per rank: padded parameters all-gathered twice (forward, backward), reduced once."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel()
+    gathered = 2 * total * (2 if mp else 4)
+    reduced = total * 4
+    return (gathered + reduced) * (world_size - 1) // world_size
+
+
+def body(rank: int, world_size: int, cfg: dict) -> dict:
+    shape = SHAPES[cfg["size"]]
+    out: dict = {}
+    for mp in (False, True):
+        runs = {}
+        for layout in LAYOUTS:
+            model, optim = _build(layout, shape, mp)
+            for i in range(cfg["warmup"]):
+                _step(model, optim, i, rank, shape, cfg)
+            with CopyCounter() as copies:
+                _step(model, optim, 100, rank, shape, cfg)
+            with CommCounter() as comms:
+                _step(model, optim, 101, rank, shape, cfg)
+            runs[layout] = (model, optim)
+            out[(mp, layout)] = {
+                "copy": copies.total,
+                "gather_side": sum(v for k, v in copies.bytes.items() if k in GATHER_SIDE),
+                "reduce_side": sum(v for k, v in copies.bytes.items() if k in REDUCE_SIDE),
+                "copy_ops": dict(copies.bytes),
+                "comm": comms.total,
+                "analytic": _analytic_comm(model, world_size, mp),
+            }
+        times: dict = {layout: [] for layout in LAYOUTS}
+        for i in range(cfg["steps"]):
+            for layout in rotated(list(LAYOUTS), i):
+                model, optim = runs[layout]
+                times[layout].append(timed(_step, model, optim, 200 + i, rank, shape, cfg))
+        for layout in LAYOUTS:
+            out[(mp, layout)]["step_ms"] = 1e3 * median(max_over_ranks(times[layout]))
+        del runs
+        gc.collect()
+        for layout in LAYOUTS:
+            with LiveBytes() as live:
+                model, optim = _build(layout, shape, mp)
+                for i in range(2):
+                    _step(model, optim, i, rank, shape, cfg)
+                live.reset_peak()
+                _step(model, optim, 2, rank, shape, cfg)
+                out[(mp, layout)]["peak"] = live.peak
+                del model, optim
+                gc.collect()
+    return out
+
+
+def table(result: dict) -> str:
+    rows = [
+        "| precision | layout | copied outside collectives (MB) | of which all-gather side / reduce-scatter side (MB) "
+        "| ratio to upstream | communicated (MB) | analytic (MB) | peak live (MB) | step (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mp in (False, True):
+        base = result[(mp, "torch")]["copy"]
+        for layout in LAYOUTS:
+            r = result[(mp, layout)]
+            rows.append(
+                f"| {'bf16 / fp32 reduce' if mp else 'fp32'} | {layout} | {r['copy'] / 1e6:.2f} | "
+                f"{r['gather_side'] / 1e6:.2f} / {r['reduce_side'] / 1e6:.2f} | "
+                f"{r['copy'] / base:.3f} | {r['comm'] / 1e6:.2f} | {r['analytic'] / 1e6:.2f} | "
+                f"{r['peak'] / 1e6:.1f} | {r['step_ms']:.1f} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    cfg = {"size": "quick" if args.quick else "full", "batch": 2, "seq": 64,
+           "warmup": 2, "steps": 4 if args.quick else 10}
+    per_rank = launch(body, 2, cfg, timeout=1800)
+    print(table(per_rank[0]))
+    for mp in (False, True):
+        for layout in LAYOUTS:
+            ops = per_rank[0][(mp, layout)]["copy_ops"]
+            print(f"{'bf16' if mp else 'fp32'} {layout}: " + ", ".join(
+                f"{k} {v / 1e6:.2f} MB" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
+
+
+if __name__ == "__main__":
+    main()
