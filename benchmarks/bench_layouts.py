@@ -33,9 +33,9 @@ SHAPES = {
     "quick": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
 }
 LAYOUTS = ("torch", "fsdp2 dim-0", "fsdp2 ragged")
-# copies around the collectives, by the op that writes them
-GATHER_SIDE = ("split_with_sizes_copy", "all_gather_copy_in", "cat")
-REDUCE_SIDE = ("_chunk_cat", "chunk_cat")
+# the dim-0 layout's two reordering copies, by the op that writes them
+COPY_OUT = ("split_with_sizes_copy",)  # all-gather output -> each parameter
+REORDER = ("_chunk_cat", "chunk_cat")  # gradients -> rank-major reduce-scatter input
 
 
 def _build(layout: str, shape: dict, mp: bool):
@@ -63,14 +63,14 @@ def _step(model, optim, i: int, rank: int, shape: dict, cfg: dict) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def _analytic_comm(model, world_size: int, mp: bool) -> int:
-    """Bytes per rank: padded parameters all-gathered twice (forward, backward), reduced once."""
-    total = 0
-    for p in model.parameters():
-        total += p.numel()
-    gathered = 2 * total * (2 if mp else 4)
-    reduced = total * 4
-    return (gathered + reduced) * (world_size - 1) // world_size
+def _analytic_comm(model, mp: bool) -> int:
+    """Bytes a rank's collectives carry per step, counted as the counter counts them (full
+    outputs / inputs): every block gathered in forward and backward, the root once (it is
+    not resharded after forward), every gradient reduced once in fp32."""
+    blocks = sum(p.numel() for layer in model.layers for p in layer.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    gathered = (2 * blocks + (total - blocks)) * (2 if mp else 4)
+    return gathered + total * 4
 
 
 def body(rank: int, world_size: int, cfg: dict) -> dict:
@@ -89,11 +89,11 @@ def body(rank: int, world_size: int, cfg: dict) -> dict:
             runs[layout] = (model, optim)
             out[(mp, layout)] = {
                 "copy": copies.total,
-                "gather_side": sum(v for k, v in copies.bytes.items() if k in GATHER_SIDE),
-                "reduce_side": sum(v for k, v in copies.bytes.items() if k in REDUCE_SIDE),
+                "copy_out": sum(v for k, v in copies.bytes.items() if k in COPY_OUT),
+                "reorder": sum(v for k, v in copies.bytes.items() if k in REORDER),
                 "copy_ops": dict(copies.bytes),
                 "comm": comms.total,
-                "analytic": _analytic_comm(model, world_size, mp),
+                "analytic": _analytic_comm(model, mp),
             }
         times: dict = {layout: [] for layout in LAYOUTS}
         for i in range(cfg["steps"]):
@@ -119,8 +119,9 @@ def body(rank: int, world_size: int, cfg: dict) -> dict:
 
 def table(result: dict) -> str:
     rows = [
-        "| precision | layout | copied outside collectives (MB) | of which all-gather side / reduce-scatter side (MB) "
-        "| ratio to upstream | communicated (MB) | analytic (MB) | peak live (MB) | step (ms) |",
+        "| precision | layout | copied outside collectives (MB) | of which copy-out / rank-major "
+        "reorder (MB) | ratio to upstream | communicated (MB) | analytic (MB) | peak live (MB) "
+        "| step (ms) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mp in (False, True):
@@ -129,7 +130,7 @@ def table(result: dict) -> str:
             r = result[(mp, layout)]
             rows.append(
                 f"| {'bf16 / fp32 reduce' if mp else 'fp32'} | {layout} | {r['copy'] / 1e6:.2f} | "
-                f"{r['gather_side'] / 1e6:.2f} / {r['reduce_side'] / 1e6:.2f} | "
+                f"{r['copy_out'] / 1e6:.2f} / {r['reorder'] / 1e6:.2f} | "
                 f"{r['copy'] / base:.3f} | {r['comm'] / 1e6:.2f} | {r['analytic'] / 1e6:.2f} | "
                 f"{r['peak'] / 1e6:.1f} | {r['step_ms']:.1f} |"
             )

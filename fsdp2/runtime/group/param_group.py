@@ -282,16 +282,19 @@ class FSDPParamGroup:
             # the kept post-forward shard was written ('cat') on the compute stream
             ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
-        single = len(self.fsdp_params) == 1 and not self.param_major
+        single = len(self.fsdp_params) == 1
         with record_function("FSDP::all_gather", self.module_fqn, pg=self.range_pg):
-            if single:  # on the compute stream, which frees it
+            if self.param_major:  # the parameters view it (no copy-out); grown on the
+                # compute stream, which frees it
+                output = self._gathered_output(world_size * shard_numel, dtype)
+                if streams:  # compute's memory: its gather waits for the compute queued so far
+                    ctx.wait_stream(None, ctx.copy_in, ctx.current())
+            elif single:  # on the compute stream, which frees it
                 output = collectives.all_gather_output(
                     self.fsdp_params, shard_numel, world_size, dtype, self.device
                 )
             with ctx.use(ctx.copy_in if streams else None):
-                if self.param_major:  # the parameters view it: no copy-out
-                    output = self._gathered_output(world_size * shard_numel, dtype)
-                elif not single:
+                if not single and not self.param_major:
                     output = collectives.all_gather_output(
                         self.fsdp_params, shard_numel, world_size, dtype, self.device
                     )
@@ -319,7 +322,11 @@ class FSDPParamGroup:
 
         One buffer per group, kept: resharding frees its storage and the next
         unshard grows it back, as each parameter's ``padded_full`` in the dim-0
-        layout (see [Note: The parameter-major layout] in ragged.py).
+        layout (see [Note: The parameter-major layout] in ragged.py). It lives
+        on the compute stream, which reads and frees it: with streams, the
+        collective that writes it waits for the compute queued before this
+        unshard (the block before a prefetched one), never for the block it
+        overlaps.
         """
         out = self._gathered
         if out is None or out.dtype != dtype or out.device != self.device or out.numel() != numel:
