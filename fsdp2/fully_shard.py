@@ -8,11 +8,10 @@ from typing import Any, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._torch_compat import composable_apis, mark_composable_api
 from .api import (
-    CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -126,8 +125,10 @@ def fully_shard(
             others; an int ``k`` (a divisor of the shard dim's size) keeps
             them sharded over groups of ``k`` consecutive ranks after forward
             so the backward all-gather is over ``k`` ranks only.
-        shard_placement_fn: optional ``param -> Shard | ShardPlacementResult | None``:
-            shard that parameter on another dim (``None`` means ``Shard(0)``);
+        shard_placement_fn: optional ``param -> Shard | ShardPlacementResult |
+            RaggedShard | None``: ``RaggedShard(granularity)`` for every parameter
+            makes the call's group parameter-major (fsdp2 only; docs/layouts.md);
+            otherwise shard that parameter on another dim (``None`` means ``Shard(0)``);
             dims other than 0 must divide evenly by the shard dim's size. A
             ``ShardPlacementResult(placement, mesh_info)`` also names the mesh
             (torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``) to shard it over: the
@@ -228,6 +229,7 @@ def _make_group(
         p: _shard_dim(p, names[p], mesh_info, device, mesh_group.placements[p], spmd is not None)
         for p in params
     }
+    rows = _ragged_rows(mesh_group, names, post_forward, spmd is not None)
     layouts: dict[nn.Parameter, SpmdLayout] = {}
     if spmd is not None:
         layouts = {
@@ -236,7 +238,6 @@ def _make_group(
         spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
     else:
         spmd_meshes = _spmd_meshes(params, mesh_info.mesh)
-    rows = _ragged_rows(mesh_group, names, post_forward, offload_policy, spmd is not None)
     fsdp_params = [
         FSDPParam(
             p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
@@ -264,7 +265,6 @@ def _ragged_rows(
     mesh_group: MeshGroup,
     names: dict[nn.Parameter, str],
     post_forward: PostForwardMeshInfo | None,
-    offload_policy: OffloadPolicy,
     on_spmd_mesh: bool,
 ) -> dict[nn.Parameter, dict[str, Any]]:
     """``RaggedShard`` results: each parameter's rows and placement, or what it cannot do yet.
@@ -285,12 +285,10 @@ def _ragged_rows(
                 "or dim-0 as a whole; return RaggedShard for every parameter of the call, or none"
             )
     refusal = None
-    if mesh_info.is_hsdp or on_spmd_mesh:
-        refusal = "HSDP and dp_mesh_dims meshes"
+    if on_spmd_mesh:
+        refusal = "dp_mesh_dims meshes"
     elif post_forward is not None:
         refusal = "reshard_after_forward=<int>"
-    elif isinstance(offload_policy, CPUOffloadPolicy):
-        refusal = "CPUOffloadPolicy"
     elif len({p.dtype for p in params}) > 1:
         refusal = f"parameters of several dtypes ({sorted({str(p.dtype) for p in params})})"
     if refusal is None:
@@ -309,8 +307,10 @@ def _ragged_rows(
         [p.shape for p in params], [requests[p].granularity for p in params],
         mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, [names[p] for p in params],
     )
+    replicate = (Replicate(),) if mesh_info.is_hsdp else ()
     return {
-        p: {"rows": r, "placements": (RaggedShard(requests[p].granularity, r.row_bounds),)}
+        p: {"rows": r,
+            "placements": (*replicate, RaggedShard(requests[p].granularity, r.row_bounds))}
         for p, r in zip(params, rows)
     }
 

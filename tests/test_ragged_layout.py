@@ -152,6 +152,25 @@ def _meta_init_and_checkpointing(rank, world_size):
     assert_params_match(ref, model)
 
 
+def _offload_and_hsdp(rank, world_size):
+    """CPUOffloadPolicy (W = 2, 4) and a 2 x 2 HSDP mesh (W = 4): training as the reference."""
+    setups = [{"offload_policy": CPUOffloadPolicy()}]
+    if world_size == 4:
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        setups.append({"mesh": hsdp})
+    for kwargs in setups:
+        kwargs.setdefault("mesh", cpu_mesh())
+        ref, model = make_pair(lambda: build_transformer(seed=32))
+        shard_transformer(model, fully_shard, shard_placement_fn=_ragged("rows"), **kwargs)
+        (placement,) = [p for p in model.layers[0].attention.wq.weight.placements
+                        if isinstance(p, RaggedShard)]
+        assert placement.row_bounds[-1] == 8
+        batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+        ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size)
+        assert_losses_match(ref_losses, losses)
+        assert_params_match(ref, model)
+
+
 def _no_copies(rank, world_size):
     """No copy-out after the all-gather and no rank-major reorder before the reduce-scatter."""
     seen = {}
@@ -298,16 +317,20 @@ def _refusals(rank, world_size):
     mixed = lambda p: RaggedShard() if p.dim() == 2 else None  # noqa: E731
     with pytest.raises(ValueError, match="one fully_shard call is parameter-major or dim-0"):
         fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=mixed)
-    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy"):
-        fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
-                    offload_policy=CPUOffloadPolicy())
     if world_size == 4:
         with pytest.raises(NotImplementedError, match=r"reshard_after_forward=<int>"):
             fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
                         reshard_after_forward=2)
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        with pytest.raises(NotImplementedError, match="HSDP"):
-            fully_shard(model.layers[0], mesh=hsdp, shard_placement_fn=_ragged("rows"))
+        sharded = build_transformer(seed=27)
+        shard_transformer(sharded, fully_shard, mesh=hsdp, shard_placement_fn=_ragged("rows"))
+        with pytest.raises(NotImplementedError, match="parameter-major group"):
+            fsdp2.enable_local_shard_step(torch.optim.AdamW(sharded.parameters()),
+                                          shard_across_replicas=True)
+        spmd = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
+            fully_shard(model.layers[0], mesh=spmd, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"),
+                        shard_placement_fn=_ragged("rows"))
     with pytest.raises(ValueError, match=r"RaggedShard\(granularity=0\)"):
         RaggedShard(0)
     with pytest.raises(ValueError, match=r"a tile \(rows, cols\)"):
@@ -319,6 +342,7 @@ CASES = {
     "mixed_precision": _mixed_precision,
     "accumulation_and_no_reshard": _accumulation_and_no_reshard,
     "meta_init_and_checkpointing": _meta_init_and_checkpointing,
+    "offload_and_hsdp": _offload_and_hsdp,
     "no_copies": _no_copies,
     "state_dict": _state_dict_and_serialization,
     "dcp": _dcp_across_layouts,

@@ -149,6 +149,12 @@ def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
             f"{name} is on a {mesh.ndim}-D mesh with placements {tuple(placements)}. With a 1-D "
             "mesh the optimizer state is already sharded over every rank: drop the option"
         )
+    if flat.fsdp_params[0].ragged:
+        raise NotImplementedError(
+            f"shard_across_replicas=True: parameter {name} is in a parameter-major group "
+            "(RaggedShard), whose replica slices are not built yet; shard its module without "
+            "RaggedShard, or drop the option"
+        )
     if flat.layout.mixed:
         raise NotImplementedError(
             f"shard_across_replicas=True: parameter {name} is in a group of several dtypes "
