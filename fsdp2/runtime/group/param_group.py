@@ -56,6 +56,7 @@ from ..comm.force_collectives import skips_collectives
 from ..common.mixed_precision import check_grad_dtypes, check_trainable_dtypes
 from ..common.profiler_ranges import record_function
 from ..meshes.mesh import FSDPMeshInfo, PostForwardMeshInfo
+from ..storage import ragged
 from ..storage.flat_shard import FlatShard, FlatShardLayout
 from ..storage.param import FSDPParam, ShardedState
 from .backward_prefetch import prefetch_previous
@@ -286,7 +287,9 @@ class FSDPParamGroup:
         with record_function("FSDP::all_gather", self.module_fqn, pg=self.range_pg):
             if self.param_major:  # the parameters view it (no copy-out); grown on the
                 # compute stream, which frees it
-                output = self._gathered_output(world_size * shard_numel, dtype)
+                output = self._gathered = ragged.gathered_output(
+                    self._gathered, self.fsdp_params, world_size * shard_numel, dtype, self.device
+                )
                 if streams:  # compute's memory: its gather waits for the compute queued so far
                     ctx.wait_stream(None, ctx.copy_in, ctx.current())
             elif single:  # on the compute stream, which frees it
@@ -316,27 +319,6 @@ class FSDPParamGroup:
         step.pending_unshard = PendingAllGather(work, output, ag_input)
         if not async_op and not streams:
             self.wait_for_unshard()
-
-    def _gathered_output(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The parameter-major all-gather output, which the unsharded parameters view.
-
-        One buffer per group, kept: resharding frees its storage and the next
-        unshard grows it back, as each parameter's ``padded_full`` in the dim-0
-        layout (see [Note: The parameter-major layout] in ragged.py). It lives
-        on the compute stream, which reads and frees it: with streams, the
-        collective that writes it waits for the compute queued before this
-        unshard (the block before a prefetched one), never for the block it
-        overlaps.
-        """
-        out = self._gathered
-        if out is None or out.dtype != dtype or out.device != self.device or out.numel() != numel:
-            out = self._gathered = torch.empty(numel, dtype=dtype, device=self.device)
-        storage = out.untyped_storage()
-        if storage.size() != numel * out.element_size():
-            storage.resize_(numel * out.element_size())
-        for p in self.fsdp_params:
-            p.view_gathered(out, p.layout.start)
-        return out
 
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""

@@ -392,21 +392,20 @@ class FSDPParam:
 
     # ---- unsharded side -----------------------------------------------------
 
-    def view_gathered(self, output: torch.Tensor, start: int) -> bool:
+    def view_gathered(self, output: torch.Tensor, start: int) -> None:
         """The parameter-major layout: the unsharded parameter views the group's all-gather output.
 
         See [Note: The parameter-major layout] in ragged.py. Called before each
         all-gather; the view is made once per output buffer and outlives its
-        storage being freed and re-grown. Returns whether it made the view now.
+        storage being freed and re-grown.
         """
         if self._gathered_from is output and self.unsharded_param is not None:
             self._sync_requires_grad()
-            return False
+            return
         self._gathered_from = output
         self.padded_full = output[start : start + self.numel]
         self.unsharded_param = self._make_unsharded(output, start)
         self._sync_requires_grad()
-        return True
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Allocate (or re-allocate) the padded full buffer; returns it flat."""

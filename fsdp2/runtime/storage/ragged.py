@@ -137,6 +137,33 @@ def shard_blocks(output: torch.Tensor, layouts: list[RaggedRows]) -> list[torch.
     return [output[lay.shard_offset : lay.shard_offset + lay.padded_shard_numel] for lay in layouts]
 
 
+def gathered_output(
+    current: torch.Tensor | None,
+    fsdp_params: list,  # FSDPParam (param.py imports this module)
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The group's all-gather output, which its unsharded parameters view at the plan's starts.
+
+    One buffer per group, kept (``current``): resharding frees its storage and
+    the next unshard grows it back, as each parameter's ``padded_full`` in the
+    dim-0 layout. It lives on the compute stream, which reads and frees it:
+    with streams, the collective that writes it waits for the compute queued
+    before the unshard (the block before a prefetched one), never for the
+    block it overlaps (``FSDPParamGroup.unshard``).
+    """
+    out = current
+    if out is None or out.dtype != dtype or out.device != device or out.numel() != numel:
+        out = torch.empty(numel, dtype=dtype, device=device)
+    storage = out.untyped_storage()
+    if storage.size() != numel * out.element_size():
+        storage.resize_(numel * out.element_size())
+    for p in fsdp_params:
+        p.view_gathered(out, p.layout.start)
+    return out
+
+
 def load_rows(
     module: torch.nn.Module,
     fsdp_params: list,  # FSDPParam (param.py imports this module)
