@@ -312,6 +312,25 @@ def _muon(rank, world_size):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _dtensor_step(rank, world_size):
+    """torch's own AdamW step on the ragged DTensors (flat step off): the flat step's bits."""
+    results = []
+    for flat in (True, False):
+        model = build_transformer(seed=33)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(16))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        if not flat:
+            fsdp2.disable_flat_step(optim)
+        train_alone(model, [transformer_batch(s, 2 * world_size) for s in range(STEPS)],
+                    transformer_loss, rank, world_size, optim)
+        for p in model.parameters():
+            assert isinstance(p.placements[-1], RaggedShard)
+            assert isinstance(optim.state[p]["exp_avg"].placements[-1], RaggedShard)
+        results.append([full(p.detach()) for p in model.parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def _refusals(rank, world_size):
     model = build_transformer(seed=27)
     mixed = lambda p: RaggedShard() if p.dim() == 2 else None  # noqa: E731
@@ -347,6 +366,7 @@ CASES = {
     "state_dict": _state_dict_and_serialization,
     "dcp": _dcp_across_layouts,
     "muon": _muon,
+    "dtensor_step": _dtensor_step,
     "refusals": _refusals,
 }
 WORLD_SIZES = [1, 2, 3, 4]
