@@ -149,14 +149,15 @@ def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
     caching its hash in ``_hash`` (torch 2.4 - 2.15).
     """
     spec = template._spec
-    if any(isinstance(pl, RaggedShardBase) for pl in spec.placements):
-        return DTensor(local, spec, requires_grad=False)  # propagation would relabel it Shard(0)
     state_spec = _STATE_SPECS.get(spec)
     if state_spec is None:
-        probe = DTensor(torch.empty(local.shape, dtype=local.dtype, device="meta"), spec,
-                        requires_grad=False)
-        state_spec = torch.zeros_like(probe, memory_format=torch.preserve_format)._spec
-        hash(state_spec)  # cached in the spec (``_hash``), as the step's next op leaves it
+        if any(isinstance(pl, RaggedShardBase) for pl in spec.placements):
+            state_spec = spec  # the parameter's own: its placement says which rows
+        else:
+            probe = DTensor(torch.empty(local.shape, dtype=local.dtype, device="meta"), spec,
+                            requires_grad=False)
+            state_spec = torch.zeros_like(probe, memory_format=torch.preserve_format)._spec
+            hash(state_spec)  # cached in the spec (``_hash``), as the step's next op leaves it
         _STATE_SPECS[spec] = state_spec
     return DTensor(local, state_spec, requires_grad=False)
 
@@ -589,18 +590,23 @@ class RaggedShardBase(Shard):
     def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int):
         return self.row_bounds[rank + 1] - self.row_bounds[rank], self.row_bounds[rank]
 
+    def _padded(self, rows: torch.Tensor, most: int) -> torch.Tensor:
+        """``rows`` padded with zeros to ``most`` rows on the shard dim."""
+        pad = most - rows.size(self.dim)
+        if not pad:
+            return rows
+        return torch.nn.functional.pad(rows, [0, 0] * (rows.dim() - self.dim - 1) + [0, pad])
+
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
         sizes = self._sizes()
-        most = max(sizes)
+        most = max(sizes) if with_padding else 0
         shards, pads = [], []
         for start, size in zip(self.row_bounds, sizes):
             shard = tensor.narrow(self.dim, start, size)
-            pad = most - size if with_padding else 0
-            if pad:
-                widths = [0, 0] * (tensor.dim() - self.dim - 1) + [0, pad]
-                shard = torch.nn.functional.pad(shard, widths)
+            if with_padding:
+                shard = self._padded(shard, most)
             shards.append(shard.contiguous() if contiguous else shard)
-            pads.append(pad)
+            pads.append(most - size if with_padding else 0)
         return shards, pads
 
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
@@ -608,12 +614,8 @@ class RaggedShardBase(Shard):
 
         sizes = self._sizes()
         most = max(sizes)
-        pad = most - local_tensor.size(self.dim)
-        if pad:
-            widths = [0, 0] * (local_tensor.dim() - self.dim - 1) + [0, pad]
-            local_tensor = torch.nn.functional.pad(local_tensor, widths)
         gathered = funcol.all_gather_tensor(
-            local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
+            self._padded(local_tensor, most).contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
         )
         if hasattr(gathered, "wait"):
             gathered = gathered.wait()

@@ -303,7 +303,7 @@ def _ragged_rows(
             f"{refusal} yet; return None from shard_placement_fn (the dim-0 layout) for "
             "this call"
         )
-    plan, rows = plan_rows(
+    rows = plan_rows(
         [p.shape for p in params], [requests[p].granularity for p in params],
         mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, [names[p] for p in params],
     )

@@ -71,18 +71,12 @@ from ...errors import FSDPAssertionError
 from ..meshes.mesh import FSDPMeshInfo
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .param_uid import original_uid
-from .ragged import RaggedRows
+from .ragged import RaggedRows, same_placements
 from .shard_layout import ShardLayout
 from .shard_storage import alias_parameter, can_own_storage, own_storage
 
 _MODULE_SETATTR = nn.Module.__setattr__
 
-
-def _same_ragged(placements: tuple[Placement, ...], expected: tuple[Placement, ...]) -> bool:
-    # explicit: torch's Shard compares equal to any placement of the same dim
-    return len(placements) == len(expected) and all(
-        type(a) is type(b) and a == b for a, b in zip(placements, expected)
-    )
 
 class ShardedState(Enum):
     SHARDED = auto()  # sharded DTensor parameters are registered on the modules
@@ -367,7 +361,7 @@ class FSDPParam:
                 f"DTensor of shape {tuple(self.global_size)}; load a sharded state dict "
                 "(DTensor values) or copy values in place instead"
             )
-        if self.ragged and not _same_ragged(new_param.placements, self._placements):
+        if self.ragged and not same_placements(new_param.placements, self._placements):
             raise ValueError(
                 f"Parameter '{self.fqn}' was replaced by a DTensor with placements "
                 f"{new_param.placements}; expected {self._placements} (the parameter-major "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_plan import BlockPlan, Granularity, plan_blocks
+from .block_plan import Granularity, plan_blocks
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,22 @@ class RaggedRows:
         return tensor.narrow(0, self.row_start, self.local_rows)
 
 
+def same_placements(placements: Sequence, expected: Sequence) -> bool:
+    """Placement by placement, of one type and equal (torch's ``Shard`` answers equal to any
+    placement of its dim, a ragged one included)."""
+    return len(placements) == len(expected) and all(
+        type(a) is type(b) and a == b for a, b in zip(placements, expected)
+    )
+
+
 def plan_rows(
     shapes: Sequence[torch.Size],
     granularities: Sequence[Granularity],
     world_size: int,
     rank: int,
     names: Sequence[str],
-) -> tuple[BlockPlan, list[RaggedRows]]:
-    """The group's plan and, for each parameter, the rows ``rank`` holds."""
+) -> list[RaggedRows]:
+    """For each parameter of the group's plan, the rows ``rank`` holds."""
     plan = plan_blocks([tuple(s) for s in shapes], granularities, world_size, names)
     share = plan.shard_numel
     rows = []
@@ -97,7 +105,7 @@ def plan_rows(
             bounds.append(inside // row if row else 0)
         offset = min(max(start - rank * share, 0), share)
         rows.append(RaggedRows(torch.Size(shape), world_size, rank, tuple(bounds), start, offset, share))
-    return plan, rows
+    return rows
 
 
 def reduce_scatter_input(
@@ -113,7 +121,7 @@ def reduce_scatter_input(
         world_size * share, dtype=dtype, device=grads[0].device
     )
     cursor = 0
-    for grad, layout in sorted(zip(grads, layouts), key=lambda pair: pair[1].start):
+    for grad, layout in zip(grads, layouts):  # registration order: the plan's starts ascend
         if layout.start > cursor:
             flat[cursor : layout.start].zero_()
         numel = grad.numel()
@@ -199,9 +207,7 @@ def load_rows(
             local = p.sharded_param.to_local()
             with torch.no_grad():
                 if isinstance(value, DTensor):
-                    same = tuple(value.placements) == tuple(p.sharded_param.placements) and all(
-                        type(a) is type(b) for a, b in zip(value.placements, p.sharded_param.placements)
-                    )
+                    same = same_placements(value.placements, p.sharded_param.placements)
                     rows = value.to_local() if same else p.layout.local_rows_of(value.full_tensor())
                 else:
                     rows = p.layout.local_rows_of(value)
