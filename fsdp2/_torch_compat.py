@@ -699,12 +699,15 @@ def keep_ragged_placements() -> None:
                 "or redistribute to Replicate first, or work on to_local()"
             )
 
+        def spec_lists(op_schema: Any) -> list:
+            return [a for a in op_schema.args_schema if isinstance(a, (list, tuple))
+                    and a and all(isinstance(x, DTensorSpec) for x in a)]
+
         def same_layouts(op_schema: Any) -> bool:
             # Operands meet elementwise (foreach lists: the i-th of each list): sharded
             # operands of one place must share one ragged placement and shape; the rest
             # are replicated (scalars).
-            lists = [a for a in op_schema.args_schema if isinstance(a, (list, tuple))
-                     and a and all(isinstance(x, DTensorSpec) for x in a)]
+            lists = spec_lists(op_schema)
             n = len(lists[0]) if lists else 1
             if any(len(a) != n for a in lists):
                 return False
@@ -741,10 +744,14 @@ def keep_ragged_placements() -> None:
                 ragged_of(s) is not None for s in op_schema.args_spec
             )
             outputs, tree = tree_flatten(result.output_spec)
+            lists = spec_lists(op_schema)
             fixed = []
             for i, out in enumerate(outputs):
-                # an output's source: the ragged input at its place in a foreach list, else the first
-                src = sources[i] if len(sources) == len(outputs) else sources[0]
+                # an output's source: the ragged operand at its place in the foreach lists
+                # (the i-th of each list), else the first ragged operand
+                place = [lst[i] for lst in lists if len(lst) == len(outputs)
+                         and ragged_of(lst[i]) is not None]
+                src = place[0] if place else sources[0]
                 if isinstance(out, DTensorSpec) and any(isinstance(p, Shard) for p in out.placements):
                     rows_kept = (
                         out.placements == plain(src).placements

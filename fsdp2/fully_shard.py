@@ -229,7 +229,7 @@ def _make_group(
         p: _shard_dim(p, names[p], mesh_info, device, mesh_group.placements[p], spmd is not None)
         for p in params
     }
-    rows = _ragged_rows(mesh_group, names, post_forward, spmd is not None)
+    rows = _ragged_rows(mesh_group, names, spmd is not None)
     layouts: dict[nn.Parameter, SpmdLayout] = {}
     if spmd is not None:
         layouts = {
@@ -264,7 +264,6 @@ def _make_group(
 def _ragged_rows(
     mesh_group: MeshGroup,
     names: dict[nn.Parameter, str],
-    post_forward: PostForwardMeshInfo | None,
     on_spmd_mesh: bool,
 ) -> dict[nn.Parameter, dict[str, Any]]:
     """``RaggedShard`` results: each parameter's rows and placement, or what it cannot do yet.
@@ -287,8 +286,6 @@ def _ragged_rows(
     refusal = None
     if on_spmd_mesh:
         refusal = "dp_mesh_dims meshes"
-    elif post_forward is not None:
-        refusal = "reshard_after_forward=<int>"
     elif len({p.dtype for p in params}) > 1:
         refusal = f"parameters of several dtypes ({sorted({str(p.dtype) for p in params})})"
     if refusal is None:

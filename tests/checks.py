@@ -179,6 +179,13 @@ _PATCHED = {
     "reduce_scatter": _REDUCE_SCATTERS,
     "all_reduce": ("all_reduce",),
 }
+# ``on_collectives``' patch list for "nothing communicates": the above and the rest
+EVERY_COLLECTIVE = {
+    **_PATCHED,
+    "all_to_all": ("all_to_all_single", "all_to_all"),
+    "broadcast": ("broadcast", "broadcast_object_list"),
+    "other": ("all_gather_object", "scatter", "gather", "reduce", "barrier", "send", "recv"),
+}
 
 
 # The tensor-in, tensor-out collectives (no list variants): what fsdp2 issues.
@@ -421,8 +428,12 @@ def square_loss_backward(model: nn.Module, dim: int, step: int) -> None:
     model(x).square().sum().backward()
 
 
-def assert_same_optimizer_state(got_opt, want_opt) -> None:
-    """Two optimizers' state dicts are equal: groups, key order, types, placements, values."""
+def assert_same_optimizer_state(got_opt, want_opt, *, layouts_differ: bool = False) -> None:
+    """Two optimizers' state dicts are equal: groups, key order, types, placements, values.
+
+    ``layouts_differ``: DTensor state is compared whole (``full_tensor()``, a
+    collective), not by placement and local shard (RaggedShard against Shard(0)).
+    """
     got, want = got_opt.state_dict(), want_opt.state_dict()
     assert got["param_groups"] == want["param_groups"], "param_groups differ"
     assert list(got["state"]) == list(want["state"]), "state keys (or their order) differ"
@@ -431,7 +442,9 @@ def assert_same_optimizer_state(got_opt, want_opt) -> None:
         for key, value in state.items():
             g = got["state"][idx][key]
             assert type(g) is type(value), (idx, key)
-            if isinstance(value, DTensor):
+            if isinstance(value, DTensor) and layouts_differ:
+                assert torch.equal(g.full_tensor(), value.full_tensor()), f"state {idx} {key!r}"
+            elif isinstance(value, DTensor):
                 assert g.placements == value.placements, (idx, key, g.placements)
                 assert torch.equal(g.to_local(), value.to_local()), f"state {idx} {key!r} differs"
             else:

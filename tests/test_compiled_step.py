@@ -26,12 +26,15 @@ from fsdp2.optim import flat_step_engine
 pytestmark = pytest.mark.skipif(IMPL == "torch", reason="fsdp2's own default (not in upstream)")
 
 
-def _pair():
+def _pair(ragged: bool = False):
+    """fsdp2 and upstream; ``ragged``: fsdp2 on the parameter-major layout (the same
+    elementwise step on other rows: still upstream's bits)."""
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
     ref = build_mlp(seed=4)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    shard_mlp(ours, fsdp2.fully_shard, mesh=cpu_mesh())
+    layout = {"shard_placement_fn": lambda p: fsdp2.RaggedShard()} if ragged else {}
+    shard_mlp(ours, fsdp2.fully_shard, mesh=cpu_mesh(), **layout)
     shard_mlp(theirs, upstream_fully_shard, mesh=cpu_mesh())
     return ours, theirs
 
@@ -45,7 +48,7 @@ def _batch(step, rank, world_size):
     return rank_slice(mlp_batch(step, 2 * world_size), rank, world_size)
 
 
-def _compiled_steps_between_eager_ones(backend: str):
+def _compiled_steps_between_eager_ones(backend: str, ragged: bool = False):
     def case(rank, world_size):
         torch._dynamo.reset()
         # torch's compile caches key a DTensor step by global shapes: ranks whose local
@@ -54,7 +57,7 @@ def _compiled_steps_between_eager_ones(backend: str):
         with tempfile.TemporaryDirectory(prefix=f"inductor-rank{rank}-") as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             try:
-                _compiled_steps(backend, rank, world_size)
+                _compiled_steps(backend, rank, world_size, ragged)
             finally:
                 if before is None:
                     del os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -64,9 +67,9 @@ def _compiled_steps_between_eager_ones(backend: str):
     return case
 
 
-def _compiled_steps(backend: str, rank: int, world_size: int) -> None:
+def _compiled_steps(backend: str, rank: int, world_size: int, ragged: bool = False) -> None:
     """Eager (the engine attaches, runs hold state), compiled, then eager steps again."""
-    ours, theirs = _pair()
+    ours, theirs = _pair(ragged)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     compiled = [torch.compile(o.step, backend=backend) for o in opts]
     for step, use_compiled in enumerate([False, True, True, False, False]):
@@ -75,15 +78,15 @@ def _compiled_steps(backend: str, rank: int, world_size: int) -> None:
             (c if use_compiled else o.step)()
             o.zero_grad()
         _assert_equal(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
-    assert_same_optimizer_state(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
     engine = flat_step_engine(opts[0])
     assert engine is not None and engine.runs()
     assert all(r.flat_steps == 3 for r in engine.runs()), [r.flat_steps for r in engine.runs()]
 
 
-def _step_inside_compiled_function(rank, world_size):
+def _step_inside_compiled_function(rank, world_size, ragged=False):
     torch._dynamo.reset()
-    ours, theirs = _pair()
+    ours, theirs = _pair(ragged)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
 
     def train_step(model, opt, batch):
@@ -96,7 +99,7 @@ def _step_inside_compiled_function(rank, world_size):
         for m, o in zip((ours, theirs), opts):
             compiled(m, o, _batch(step, rank, world_size))
         _assert_equal(ours, theirs, f"step {step}")
-    assert_same_optimizer_state(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
 
 
 def _compiled_model_keeps_the_flat_step(rank, world_size):
@@ -119,6 +122,11 @@ CASES = {
     "compiled-step-inside-a-function": _step_inside_compiled_function,
     "compiled-model-eager-step": _compiled_model_keeps_the_flat_step,
 }
+# The parameter-major layout (RaggedShard): the compiled step is torch's own on its DTensors
+RAGGED = {
+    "compiled-step": _compiled_steps_between_eager_ones("eager", ragged=True),
+    "step-inside-a-function": lambda rank, ws: _step_inside_compiled_function(rank, ws, True),
+}
 INDUCTOR = {"compiled-step-default-backend": _compiled_steps_between_eager_ones("inductor")}
 
 
@@ -127,6 +135,12 @@ INDUCTOR = {"compiled-step-default-backend": _compiled_steps_between_eager_ones(
 def test_compiled_step_matches_upstream(world_size, case, launch_cases):
     """torch.compile(optimizer.step), a step in a compiled function, a compiled model: upstream's bits."""
     check_case(launch_cases(world_size, CASES, timeout=600), case)
+
+
+@pytest.mark.parametrize("case", list(RAGGED))
+def test_compiled_step_on_the_parameter_major_layout(case, launch_cases):
+    """The same on RaggedShard groups (W=2, where its rows differ from torch.chunk's)."""
+    check_case(launch_cases(2, RAGGED, timeout=600), case)
 
 
 def test_compiled_step_default_backend(launch_cases):

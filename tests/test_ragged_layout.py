@@ -26,7 +26,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only
 from _multiproc import run_ranks
-from checks import assert_losses_match, check_case, train_alone, train_steps
+from checks import (
+    EVERY_COLLECTIVE,
+    assert_losses_match,
+    check_case,
+    on_collectives,
+    train_alone,
+    train_steps,
+)
 from models import (
     assert_params_match,
     build_transformer,
@@ -111,8 +118,9 @@ def _mixed_precision(rank, world_size):
         assert losses == dim0_losses
 
 
-def _accumulation_and_no_reshard(rank, world_size):
-    for kwargs, micro in (({"reshard_after_forward": False}, 1), ({}, 2)):
+def _accumulation_and_resharding(rank, world_size):
+    smaller = {"reshard_after_forward": max(1, world_size // 2)}  # W=4: backward gathers in pairs
+    for kwargs, micro in (({"reshard_after_forward": False}, 1), ({}, 2), (smaller, 1)):
         ref, model = make_pair(lambda: build_transformer(seed=23))
         shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(16), **kwargs)
         batches = [transformer_batch(step, 4 * world_size) for step in range(STEPS)]
@@ -121,6 +129,18 @@ def _accumulation_and_no_reshard(rank, world_size):
         )
         assert_losses_match(ref_losses, losses)
         assert_params_match(ref, model)
+    # the kept post-forward range, gathered over the smaller group, is the whole output
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, model, dim0 = _pair_with_dim0(23)
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
+                      mp_policy=mp, **smaller)
+    shard_transformer(dim0, fully_shard, mesh=cpu_mesh(), mp_policy=mp, **smaller)
+    batches = [transformer_batch(step, 2 * world_size) for step in range(STEPS)]
+    losses = train_alone(model, batches, transformer_loss, rank, world_size)
+    if world_size <= 2:
+        assert losses == train_alone(dim0, batches, transformer_loss, rank, world_size)
+        for p, q in zip(model.parameters(), dim0.parameters()):
+            assert torch.equal(full(p.detach()), full(q.detach()))
 
 
 class _Ops(TorchDispatchMode):
@@ -301,7 +321,13 @@ def _muon(rank, world_size):
         for _ in range(STEPS):
             x = torch.randn(4 * world_size, 12, generator=gen).chunk(world_size)[rank]
             model(x).square().mean().backward()
-            muon.step()
+            calls: list = []
+            with on_collectives(lambda kind, *_, log=calls: log.append(kind), EVERY_COLLECTIVE):
+                muon.step()
+            if layout == "whole":  # each matrix on one rank, stepped there: nothing moves
+                assert calls == [], calls
+            elif world_size > 1:
+                assert "all_to_all" in calls, calls
             muon.zero_grad()
         results[layout] = [full(p.detach()) for p in model.parameters()]
     for layout in ("rows", "whole"):
@@ -337,9 +363,6 @@ def _refusals(rank, world_size):
     with pytest.raises(ValueError, match="one fully_shard call is parameter-major or dim-0"):
         fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=mixed)
     if world_size == 4:
-        with pytest.raises(NotImplementedError, match=r"reshard_after_forward=<int>"):
-            fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=_ragged("rows"),
-                        reshard_after_forward=2)
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         sharded = build_transformer(seed=27)
         shard_transformer(sharded, fully_shard, mesh=hsdp, shard_placement_fn=_ragged("rows"))
@@ -359,7 +382,7 @@ def _refusals(rank, world_size):
 CASES = {
     "parity": _parity,
     "mixed_precision": _mixed_precision,
-    "accumulation_and_no_reshard": _accumulation_and_no_reshard,
+    "accumulation_and_resharding": _accumulation_and_resharding,
     "meta_init_and_checkpointing": _meta_init_and_checkpointing,
     "offload_and_hsdp": _offload_and_hsdp,
     "no_copies": _no_copies,

@@ -178,9 +178,10 @@ SIGNATURE = {
 
 
 # At W=2; the post-forward shard's edge needs a smaller post-forward group, the replica
-# gather's an HSDP mesh (both W=4 below).
+# gather's an HSDP mesh (both W=4 below), the kept output's the parameter-major layout.
 CAUGHT = [e for e in comm_context.EDGES
-          if e not in ("post_forward_shard->all_gather", "replica_gather->copy_in")]
+          if e not in ("post_forward_shard->all_gather", "replica_gather->copy_in",
+                       "compute->kept_output")]
 
 
 def _case(**kwargs):
@@ -245,6 +246,27 @@ def _reshard_int(rank, world_size):
     assert errors == [], "\n".join(errors[:5])
     planted = _checked_run(rank, world_size, "post_forward_shard->all_gather", reshard_after_forward=2)
     assert planted and "'cat' wrote on stream 0 (compute)" in planted[0], planted[:2]
+    # The parameter-major layout: its gather already waits for the compute stream (the
+    # kept output's wait), which orders the kept shard's 'clone' too; that wait is the race
+    ragged = {"shard_placement_fn": lambda p: RaggedShard(), "reshard_after_forward": 2}
+    for edge in (None, "post_forward_shard->all_gather"):
+        errors = _checked_run(rank, world_size, edge, **ragged)
+        assert errors == [], (edge, errors[:5])
+    planted = _checked_run(rank, world_size, "compute->kept_output", **ragged)
+    assert planted, "skipping 'compute->kept_output' went unnoticed"
+
+
+def _ragged_planted(rank, world_size):
+    """The parameter-major layout's own wait, left out, is a race the checker reports."""
+    kwargs = {"shard_placement_fn": lambda p: RaggedShard()}
+    return _checked_run(rank, world_size, "compute->kept_output", **kwargs)[:2]
+
+
+def test_the_kept_output_wait_is_caught(launch_cases):
+    ok, per_rank = launch_cases.run(_ragged_planted, 2)
+    assert ok, per_rank
+    for rank, errors in enumerate(per_rank):
+        assert errors, f"rank {rank}: skipping 'compute->kept_output' went unnoticed"
 
 
 def _pipeline(rank, world_size):
@@ -387,10 +409,10 @@ def _bounded(rank, world_size):
 
 
 def _peaks(rank, world_size, prefetch, max_input_buffers):
-    from fsdp2.runtime.comm import collectives
+    from fsdp2.runtime.storage.rank_major import RankMajor
 
     peak = {"ag": 0, "rs": 0, "groups": 0}
-    originals = collectives.all_gather_output, collectives.reduce_scatter_input
+    originals = RankMajor.all_gather_output, RankMajor.reduce_scatter_input
 
     def tracked(kind, fn):
         def wrapper(*args, **kwargs):
@@ -416,15 +438,15 @@ def _peaks(rank, world_size, prefetch, max_input_buffers):
         for a, b in zip(layers, layers[1:]):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
-    collectives.all_gather_output = tracked("ag", originals[0])
-    collectives.reduce_scatter_input = tracked("rs", originals[1])
+    RankMajor.all_gather_output = tracked("ag", originals[0])
+    RankMajor.reduce_scatter_input = tracked("rs", originals[1])
     checker = StreamChecker()
     try:
         with checker:
             for step in range(2):
                 mlp_loss(model, rank_slice(chain_batch(step, 8), rank, world_size)).backward()
     finally:
-        collectives.all_gather_output, collectives.reduce_scatter_input = originals
+        RankMajor.all_gather_output, RankMajor.reduce_scatter_input = originals
     assert checker.errors == [], checker.errors[:3]
     assert groups[0].comm_ctx.active
     return peak

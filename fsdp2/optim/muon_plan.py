@@ -18,7 +18,11 @@ dim, each rank already holds its experts whole and orthogonalizes them where
 they are, and the greedy starts from that load.
 
 A plain tensor or an all-``Replicate`` DTensor is whole on every rank; every
-rank orthogonalizes it, as ``torch.optim.Muon`` would.
+rank orthogonalizes it, as ``torch.optim.Muon`` would. A matrix whose rows are
+all on one rank of its group (``RaggedShard("whole")``, which cuts only
+between parameters) is orthogonalized where it is, by that rank alone: it
+needs no communication, and its owner is the planner's choice, not the
+greedy's (the greedy starts from that load).
 
 [Note: Muon on expert-parallel stacks]
 A mixture-of-experts stack ``(E, out, in)`` sharded as torchtitan shards it
@@ -58,6 +62,7 @@ class ParamLayout:
     world_size: int = 1
     shard_dim: int | None = None  # tensor dim the group splits
     sizes: list[int] = field(default_factory=list)  # rows (or columns) per rank, torch.chunk
+    holder: int | None = None  # the rank of ``group`` holding every row of a 2-D matrix
     comm_device: torch.device | None = None  # where collectives and Newton-Schulz run
     # experts this rank steps (a 3-D stack whose expert dim is split over other mesh dims
     # holds fewer than p.shape[0]); None: p.shape[0]
@@ -74,7 +79,10 @@ class ParamLayout:
     @property
     def moves_rows(self) -> bool:
         """Whether a matrix is split over ranks (else each rank holds whole matrices)."""
-        return self.group is not None and self.shard_dim >= self.param.dim() - 2
+        return (
+            self.group is not None and self.holder is None
+            and self.shard_dim >= self.param.dim() - 2
+        )
 
     @property
     def matrix_shard_dim(self) -> int:
@@ -221,6 +229,9 @@ def layout_of(p: torch.Tensor, name: str) -> ParamLayout:
     if isinstance(placement, RaggedShardBase):  # the parameter-major layout's own rows
         bounds = placement.row_bounds
         layout.sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    holders = [j for j, n in enumerate(layout.sizes) if n]
+    if p.dim() == 2 and len(holders) == 1:  # whole on one rank: stepped there, nothing moves
+        layout.holder = holders[0]
     layout.comm_device = device_for(mesh)
     return layout
 
@@ -254,6 +265,11 @@ def assign_owners(layouts: list[ParamLayout], ns_steps: list[int]) -> Plan:
             loads[id(group)] = MuonLoad(ranks, [0.0] * layout.world_size, 0.0)
         load = loads[id(group)]
         load.total += cost * len(experts)
+        if layout.holder is not None:  # a matrix whole on one rank: that rank steps it
+            load.flops[layout.holder] += cost
+            if layout.rank == layout.holder:
+                units.append(Unit(layout, len(units), None, layout.rank, cost))
+            continue
         if not layout.moves_rows:
             # 3-D sharded over experts: rank j holds sizes[j] experts whole
             for j, n in enumerate(layout.sizes):

@@ -39,6 +39,10 @@ On an accelerator the context makes four streams through a stream backend
 - with ``reshard_after_forward`` an int, the backward all-gather streams wait
   for the event recorded after the kept post-forward shard was written on the
   compute stream (``post_forward_shard->all_gather``);
+- in the parameter-major layout the all-gather writes the group's one kept
+  output, which the compute stream reads and frees: the copy-in stream waits
+  for the compute stream before that collective is queued
+  (``compute->kept_output``);
 - with the optimizer state sharded across replicas and the post-step
   all-gather over replicas left in flight, a group's unshard first makes the
   copy-in stream wait for that collective and copies its output into the
@@ -79,6 +83,7 @@ EDGES = (
     "post_optim->all_gather",
     "post_forward_shard->all_gather",
     "replica_gather->copy_in",
+    "compute->kept_output",
 )
 
 

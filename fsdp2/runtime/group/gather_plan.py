@@ -16,6 +16,7 @@ from ...api import MixedPrecisionPolicy
 from ...errors import FSDPNotImplementedError
 from ...versions import ACCUMULATE_IN_GRAD_DTYPE
 from ..common.mixed_precision import GroupDtypes, resolve_dtypes
+from ..storage.buffer_order import BufferOrder
 from ..storage.flat_shard import FlatShardLayout
 from ..storage.param import FSDPParam
 
@@ -32,6 +33,7 @@ class GatherPlan:
 def plan_gather(
     fsdp_params: list[FSDPParam],
     layout: FlatShardLayout,
+    order: BufferOrder,
     mp_policy: MixedPrecisionPolicy,
     device: torch.device,
     offload: bool,
@@ -40,7 +42,8 @@ def plan_gather(
     """Resolve the group's dtypes and each parameter's gathered dtype; plan the all-gather input.
 
     Sets each parameter's ``param_dtype``, ``unsharded_device``, ``grad_dtype``
-    (and its extension's policy). ``reshards_to_smaller_group``:
+    (and its extension's policy). ``order`` says which parameters every rank
+    gathers alike (their casts decide the copy-in). ``reshards_to_smaller_group``:
     ``reshard_after_forward`` is an int, which extensions and parameters kept
     in their own dtype do not support (``FSDPNotImplementedError``).
     """
@@ -65,8 +68,7 @@ def plan_gather(
             p.extension.param_dtype = p.param_dtype or p.dtype
     for p in fsdp_params:  # See [Note: Gradient accumulation dtype] in reduction.py
         p.grad_dtype = dtypes.reduce if ACCUMULATE_IN_GRAD_DTYPE else None
-    # parameter-major: every rank decides alike, also one holding no rows of some
-    cast = [p.param_dtype is not None for p in fsdp_params if p.flat_numel > 0 or p.ragged]
+    cast = [p.param_dtype is not None for p in fsdp_params if order.gathers(p)]
     plan = GatherPlan(
         extensions=bool(with_ext),
         copy_in=(offload and device.type != "cpu") or any(cast),

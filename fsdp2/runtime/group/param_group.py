@@ -22,7 +22,9 @@ group of ``k`` ranks (see [Note: Meshes] in mesh.py): the ``W / k``
 consecutive rank blocks ``[j * W/k, (j+1) * W/k)`` for post-forward rank
 ``j``, laid out ``(W/k, group shard numel)``. Gathering those blocks over the
 ``k`` ranks yields exactly the ``(W, group shard numel)`` rank-major buffer a
-full all-gather would, so copy-out is unchanged.
+full all-gather would, so copy-out is unchanged. In the parameter-major order
+the rank blocks are the ranges ``[r * S, (r + 1) * S)`` of the output: the
+same cut keeps one contiguous range (``BufferOrder.post_forward_shard``).
 
 [Note: CPU offload]
 With ``CPUOffloadPolicy`` the flat buffer (hence every sharded parameter, and
@@ -56,9 +58,10 @@ from ..comm.force_collectives import skips_collectives
 from ..common.mixed_precision import check_grad_dtypes, check_trainable_dtypes
 from ..common.profiler_ranges import record_function
 from ..meshes.mesh import FSDPMeshInfo, PostForwardMeshInfo
-from ..storage import ragged
 from ..storage.flat_shard import FlatShard, FlatShardLayout
 from ..storage.param import FSDPParam, ShardedState
+from ..storage.ragged import ParamMajor
+from ..storage.rank_major import RankMajor
 from .backward_prefetch import prefetch_previous
 from .gather_plan import plan_gather
 from .group_settings import UnshardSettings
@@ -114,14 +117,15 @@ class FSDPParamGroup:
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         pin_memory = self.offload and offload_policy.pin_memory and device.type != "cpu"
         buffer_device = torch.device("cpu") if self.offload else device
-        self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory)
-        # RaggedShard: see [Note: The parameter-major layout] in ragged.py
-        self.param_major = bool(fsdp_params) and fsdp_params[0].ragged
-        self._gathered: torch.Tensor | None = None
+        # See [Note: Buffer orders]: RaggedShard's parameter-major order, else upstream's
+        world_size = mesh_info.shard_mesh_size
+        ragged = bool(fsdp_params) and fsdp_params[0].ragged
+        self.order = (ParamMajor if ragged else RankMajor)(fsdp_params, world_size)
+        self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory, self.order)
         self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather (GatherPlan)
         self.reduction = GradientReduction(
             fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
-            alone=self.alone, offload=self.offload, pin_memory=pin_memory,
+            alone=self.alone, offload=self.offload, pin_memory=pin_memory, order=self.order,
         )
 
     # ---- settings (FSDPModule's setters) -------------------------------------------
@@ -167,7 +171,7 @@ class FSDPParamGroup:
     def _init_dtypes(self) -> None:
         """Resolve the dtypes and the all-gather input; again whenever parameters are replaced."""
         self.dtypes, self._gather = plan_gather(
-            self.fsdp_params, self.layout, self.mp_policy, self.device, self.offload,
+            self.fsdp_params, self.layout, self.order, self.mp_policy, self.device, self.offload,
             self.post_forward_mesh_info is not None,
         )
 
@@ -283,24 +287,15 @@ class FSDPParamGroup:
             # the kept post-forward shard was written ('cat') on the compute stream
             ctx.wait_all_gather_streams("post_forward_shard->all_gather", step.post_forward_event)
         step.post_forward_event = None
-        single = len(self.fsdp_params) == 1
+        order, numel = self.order, world_size * shard_numel
         with record_function("FSDP::all_gather", self.module_fqn, pg=self.range_pg):
-            if self.param_major:  # the parameters view it (no copy-out); grown on the
-                # compute stream, which frees it
-                output = self._gathered = ragged.gathered_output(
-                    self._gathered, self.fsdp_params, world_size * shard_numel, dtype, self.device
-                )
-                if streams:  # compute's memory: its gather waits for the compute queued so far
-                    ctx.wait_stream(None, ctx.copy_in, ctx.current())
-            elif single:  # on the compute stream, which frees it
-                output = collectives.all_gather_output(
-                    self.fsdp_params, shard_numel, world_size, dtype, self.device
-                )
+            if order.output_on_compute:  # compute frees it
+                output = order.all_gather_output(numel, dtype, self.device)
+                if streams and order.output_kept:  # its gather waits for the compute queued
+                    ctx.wait_stream("compute->kept_output", ctx.copy_in, ctx.current())
             with ctx.use(ctx.copy_in if streams else None):
-                if not single and not self.param_major:
-                    output = collectives.all_gather_output(
-                        self.fsdp_params, shard_numel, world_size, dtype, self.device
-                    )
+                if not order.output_on_compute:
+                    output = order.all_gather_output(numel, dtype, self.device)
                 if step.post_forward_flat is not None:
                     # kept (and freed) until wait_for_unshard: the collective reads it
                     ag_input = step.post_forward_flat
@@ -322,7 +317,7 @@ class FSDPParamGroup:
 
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
-        if self.param_major:
+        if self.order.param_major:
             raise FSDPNotImplementedError(
                 f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather with "
                 "the default collective only (no custom all-gather comm, extension or "
@@ -399,10 +394,9 @@ class FSDPParamGroup:
         if event is not None:  # issued on FSDP's streams
             ctx.wait_event("all_gather->copy_out", ctx.current(), event)
         step.post_forward_flat = None
-        params = self.layout.in_order(self.fsdp_params)
-        if not self.param_major:  # the parameter-major output is the parameters already
+        if not self.order.param_major:  # else the output is the parameters already
             with record_function("FSDP::all_gather_copy_out", self.module_fqn, pg=self.range_pg):
-                collectives.copy_out(pending.output, params, self.mesh_info.shard_mesh_size)
+                self.order.copy_out(pending.output, self.layout.in_order(self.fsdp_params))
         for p in self.fsdp_params:
             p.finish_copy_out()
             p.to_unsharded()
@@ -449,12 +443,9 @@ class FSDPParamGroup:
         num_blocks = self.mesh_info.shard_mesh_size // info.size
         start = info.rank * num_blocks
         params = self.layout.in_order(self.fsdp_params)
-        blocks = [p.gathered_blocks(start, start + num_blocks) for p in params]
-        if self.layout.mixed:  # See [Note: Mixed-dtype groups]
-            blocks = [b.view(torch.uint8) for b in blocks]
-        kept = torch.cat(blocks, dim=1)
+        kept = self.order.post_forward_shard(params, start, num_blocks, self.layout.mixed)
         self.reshard()
-        self.step.post_forward_flat = kept.view(-1)
+        self.step.post_forward_flat = kept
         self.step.post_forward_event = self.comm_ctx.record()
         for p in self.fsdp_params:
             p.state = ShardedState.SHARDED_POST_FORWARD

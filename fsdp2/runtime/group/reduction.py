@@ -105,6 +105,7 @@ from ..comm.comm_memory import effective
 from ..comm.staged_collectives import ReduceScatter
 from ..common.mixed_precision import GroupDtypes
 from ..meshes.mesh import FSDPMeshInfo
+from ..storage.buffer_order import BufferOrder
 from ..storage.param import FSDPParam
 from . import replica_slices
 from .group_settings import ReductionSettings
@@ -124,8 +125,10 @@ class GradientReduction:
         alone: bool,
         offload: bool,
         pin_memory: bool,
+        order: BufferOrder,
     ) -> None:
         self.fsdp_params = fsdp_params
+        self.order = order  # where the gradients go (see [Note: Buffer orders] in buffer_order.py)
         self.mesh_info = mesh_info
         self.device = device
         # The group's dtypes as they are now: it resolves them again whenever its
@@ -353,14 +356,9 @@ class GradientReduction:
             comm = effective(self.settings.reduce_scatter_comm) if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
-                numel = world_size * (
-                    fsdp_params[0].layout.shard_numel if fsdp_params[0].ragged
-                    else sum(p.padded_shard_numel for p in fsdp_params)
-                )
+                numel = world_size * self.order.shard_numel(fsdp_params)
                 out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
-            rs_input = collectives.reduce_scatter_input(
-                grads, fsdp_params, world_size, reduce_dtype, out=out
-            )
+            rs_input = self.order.reduce_scatter_input(grads, fsdp_params, reduce_dtype, out=out)
             grads.clear()  # the copy-in is done: let the unsharded gradients go
             if plan.pre_factor is not None:
                 rs_input.div_(plan.pre_factor)
@@ -384,9 +382,10 @@ class GradientReduction:
                     self._call_all_reduce_hook(output)
             if plan.post_factor is not None:  # once, after both groups (HSDP) summed
                 output.div_(plan.post_factor)
-            unused = _unused_everywhere(output, fsdp_params, filled) if filled else ()
+            blocks = self.order.shard_blocks(output, fsdp_params)
+            unused = _unused_everywhere(blocks, fsdp_params, filled) if filled else ()
             output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
-            for p, local in zip(fsdp_params, collectives.split_sharded_grads(output, fsdp_params)):
+            for p, local in zip(fsdp_params, self.order.sharded_grads(output, fsdp_params)):
                 if p not in unused:
                     p.accumulate_sharded_grad(local)
 
@@ -404,7 +403,7 @@ class GradientReduction:
         and folded into the next all-reduce, as upstream does; the padding is
         kept with them (see [Note: Gradients of parameters used on some ranks]).
         """
-        blocks = collectives.padded_blocks(output, fsdp_params)
+        blocks = self.order.shard_blocks(output, fsdp_params)
         if not self.settings.all_reduce_grads:
             for p, block in zip(fsdp_params, blocks):
                 partial = self._partial_grads.get(p)
@@ -526,14 +525,13 @@ def _zero_unused(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None])
 
 
 def _unused_everywhere(
-    output: torch.Tensor, fsdp_params: list[FSDPParam], filled: set[FSDPParam]
+    blocks: list[torch.Tensor], fsdp_params: list[FSDPParam], filled: set[FSDPParam]
 ) -> set[FSDPParam]:
     """Of the parameters this rank filled, those whose reduced block is all ``-0.0``.
 
     One device-to-host read, only on a rank that filled; see [Note: Gradients
     of parameters used on some ranks].
     """
-    blocks = collectives.padded_blocks(output, fsdp_params)
     checked = [(p, block) for p, block in zip(fsdp_params, blocks) if p in filled]
     verdicts = torch.stack(
         [torch.signbit(block).all() & (block == 0).all() for _, block in checked]

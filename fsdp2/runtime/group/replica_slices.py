@@ -149,7 +149,7 @@ def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
             f"{name} is on a {mesh.ndim}-D mesh with placements {tuple(placements)}. With a 1-D "
             "mesh the optimizer state is already sharded over every rank: drop the option"
         )
-    if flat.fsdp_params[0].ragged:
+    if flat.order.param_major:
         raise NotImplementedError(
             f"shard_across_replicas=True: parameter {name} is in a parameter-major group "
             "(RaggedShard), whose replica slices are not built yet; shard its module without "

@@ -45,13 +45,16 @@ import torch
 import torch.nn as nn
 
 from ..._torch_compat import local_tensor
+from .buffer_order import BufferOrder
 from .param import FSDPParam
 
 
 class FlatShardLayout:
     """Slot offsets of a group's parameters, for the dtypes their shards have now."""
 
-    def __init__(self, fsdp_params: list[FSDPParam], dtypes: list[torch.dtype]) -> None:
+    def __init__(
+        self, fsdp_params: list[FSDPParam], dtypes: list[torch.dtype], buffer_order: BufferOrder
+    ) -> None:
         self.dtypes = dtypes
         in_flat = [i for i, p in enumerate(fsdp_params) if p.flat_numel > 0]
         self.mixed = len({dtypes[i] for i in in_flat}) > 1
@@ -66,20 +69,7 @@ class FlatShardLayout:
             order = sorted(range(len(fsdp_params)), key=lambda i: -dtypes[i].itemsize)
             sizes = [p.flat_numel * dtypes[i].itemsize for i, p in enumerate(fsdp_params)]
         self.order = order
-        self.starts = [0] * len(fsdp_params)
-        self.stops = [0] * len(fsdp_params)
-        if fsdp_params and all(p.ragged for p in fsdp_params):
-            # the plan's places, gaps between (see [Note: The parameter-major layout])
-            for i, p in enumerate(fsdp_params):
-                self.starts[i] = p.layout.shard_offset
-                self.stops[i] = p.layout.shard_offset + sizes[i]
-            self.numel = fsdp_params[0].layout.shard_numel
-            return
-        offset = 0
-        for i in order:
-            self.starts[i], offset = offset, offset + sizes[i]
-            self.stops[i] = offset
-        self.numel = offset
+        self.starts, self.stops, self.numel = buffer_order.slot_places(sizes, order)
 
     def new_buffer(self, device: torch.device, pin_memory: bool, empty: bool = False) -> torch.Tensor:
         alloc = torch.empty if empty else torch.zeros
@@ -114,10 +104,12 @@ class FlatShard:
         sources: list[nn.Parameter],
         device: torch.device,
         pin_memory: bool,
+        order: BufferOrder,
     ) -> None:
         self.fsdp_params = fsdp_params
+        self.order = order  # where the slots sit (see [Note: Buffer orders] in buffer_order.py)
         self.pin_memory = pin_memory  # host buffers are pinned (CPU offload to an accelerator)
-        self.layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources])
+        self.layout = FlatShardLayout(fsdp_params, [src.dtype for src in sources], order)
         on_meta = any(src.is_meta for src in sources)
         self.buffer = self._new_buffer(torch.device("meta") if on_meta else device)
         for i, (p, src) in enumerate(zip(fsdp_params, sources)):
@@ -156,7 +148,7 @@ class FlatShard:
             p.in_flat = flat
         dtypes = [t.dtype for t in locals_]
         if self.buffer.device != locals_[0].device or dtypes != self.layout.dtypes or moved:
-            self.layout = FlatShardLayout(self.fsdp_params, dtypes)
+            self.layout = FlatShardLayout(self.fsdp_params, dtypes, self.order)
             self.buffer = self._new_buffer(locals_[0].device, empty=True)
             self._zero_padding()
         for i, p in enumerate(self.fsdp_params):
@@ -181,7 +173,7 @@ class FlatShard:
             p.adopt_registered()
         dtypes = [local_tensor(p.sharded_param).dtype for p in params]
         if dtypes != self.layout.dtypes:
-            self.layout = FlatShardLayout(params, dtypes)
+            self.layout = FlatShardLayout(params, dtypes, self.order)
         self.buffer = self._new_buffer(torch.device(device), empty=True)
         self._zero_padding()
         for i, p in enumerate(params):
@@ -191,13 +183,8 @@ class FlatShard:
         return {p.sharded_param for p in params}
 
     def _zero_padding(self) -> None:
-        # Padding rows are gathered but never read; zeros keep them deterministic.
-        if self.fsdp_params and self.fsdp_params[0].ragged:
-            self.buffer.zero_()  # the gaps between parameters (values are written after)
-            return
-        for i, p in enumerate(self.fsdp_params):
-            if p.in_flat and p.local_rows < p.shard_rows:
-                self.slot(i)[p.local_rows * p.row_numel :].zero_()
+        # Padding is gathered but never read; zeros keep it deterministic.
+        self.order.zero_padding(self.buffer, [self.slot(i) for i in range(len(self.fsdp_params))])
 
     def names_on_meta(self) -> list[str]:
         return [p.fqn for p in self.fsdp_params if local_tensor(p.sharded_param).is_meta]

@@ -8,7 +8,8 @@ of a parameter is a run of whole rows (``RaggedRows``), at the place the plan
 gives in its shard; a parameter it holds nothing of has an empty run there.
 The rank's shard is the group's flat buffer, as in the dim-0 layout, so the
 sharded parameters are views of the all-gather input. Two copies of the
-dim-0 layout disappear:
+dim-0 layout disappear (``ParamMajor``, the group's ``BufferOrder``: see
+[Note: Buffer orders] in buffer_order.py):
 
 - the all-gather output is the group's buffer itself: each unsharded
   parameter views it at the plan's start (no ``split_with_sizes_copy``);
@@ -25,10 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .block_plan import Granularity, plan_blocks
+from .buffer_order import BufferOrder
+
+if TYPE_CHECKING:
+    from .param import FSDPParam  # param.py imports this module
 
 
 @dataclass(frozen=True)
@@ -108,73 +114,104 @@ def plan_rows(
     return rows
 
 
-def reduce_scatter_input(
-    grads: list[torch.Tensor],
-    layouts: list[RaggedRows],
-    world_size: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The gradients at their plan's starts in one ``W * S`` buffer of ``dtype``, zeros between."""
-    share = layouts[0].shard_numel
-    flat = out.view(-1) if out is not None else torch.empty(
-        world_size * share, dtype=dtype, device=grads[0].device
-    )
-    cursor = 0
-    for grad, layout in zip(grads, layouts):  # registration order: the plan's starts ascend
-        if layout.start > cursor:
-            flat[cursor : layout.start].zero_()
-        numel = grad.numel()
-        flat[layout.start : layout.start + numel].view(grad.shape).copy_(grad)
-        cursor = layout.start + numel
-    if cursor < flat.numel():
-        flat[cursor:].zero_()
-    return flat
+class ParamMajor(BufferOrder):
+    """The parameters whole at the plan's starts; rank ``r`` holds ``[r * S, (r + 1) * S)``."""
 
+    param_major = True
 
-def sharded_views(output: torch.Tensor, layouts: list[RaggedRows]) -> list[torch.Tensor]:
-    """Each parameter's rows in this rank's reduce-scatter output."""
-    return [
-        output[lay.shard_offset : lay.shard_offset + lay.padded_shard_numel].view(lay.local_size)
-        for lay in layouts
-    ]
+    def __init__(self, fsdp_params: list[FSDPParam], world_size: int) -> None:
+        super().__init__(fsdp_params, world_size)
+        self.layouts: list[RaggedRows] = [p.layout for p in fsdp_params]
+        self._gathered: torch.Tensor | None = None  # the kept all-gather output
 
+    def slot_places(self, sizes: list[int], order: list[int]) -> tuple[list[int], list[int], int]:
+        starts = [lay.shard_offset for lay in self.layouts]  # gaps between: the plan's padding
+        return starts, [s + n for s, n in zip(starts, sizes)], self.layouts[0].shard_numel
 
-def shard_blocks(output: torch.Tensor, layouts: list[RaggedRows]) -> list[torch.Tensor]:
-    """Each parameter's part of this rank's shard, flat."""
-    return [output[lay.shard_offset : lay.shard_offset + lay.padded_shard_numel] for lay in layouts]
+    def zero_padding(self, buffer: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        buffer.zero_()  # the gaps between parameters (values are written after)
 
+    def gathers(self, p: FSDPParam) -> bool:
+        return True  # every rank alike, also one holding no rows of ``p``
 
-def gathered_output(
-    current: torch.Tensor | None,
-    fsdp_params: list,  # FSDPParam (param.py imports this module)
-    numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """The group's all-gather output, which its unsharded parameters view at the plan's starts.
+    @property
+    def output_on_compute(self) -> bool:
+        return True
 
-    One buffer per group, kept (``current``): resharding frees its storage and
-    the next unshard grows it back, as each parameter's ``padded_full`` in the
-    dim-0 layout. It lives on the compute stream, which reads and frees it:
-    with streams, the collective that writes it waits for the compute queued
-    before the unshard (the block before a prefetched one), never for the
-    block it overlaps (``FSDPParamGroup.unshard``).
-    """
-    out = current
-    if out is None or out.dtype != dtype or out.device != device or out.numel() != numel:
-        out = torch.empty(numel, dtype=dtype, device=device)
-    storage = out.untyped_storage()
-    if storage.size() != numel * out.element_size():
-        storage.resize_(numel * out.element_size())
-    for p in fsdp_params:
-        p.view_gathered(out, p.layout.start)
-    return out
+    @property
+    def output_kept(self) -> bool:
+        return True
+
+    def all_gather_output(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The group's one output, which its unsharded parameters view at the plan's starts.
+
+        Kept: resharding frees its storage and the next unshard grows it back,
+        as each parameter's ``padded_full`` in the rank-major order. It lives
+        on the compute stream, which reads and frees it: with streams, the
+        collective that writes it waits for the compute queued before the
+        unshard (the block before a prefetched one), never for the block it
+        overlaps (``FSDPParamGroup.unshard``).
+        """
+        out = self._gathered
+        if out is None or out.dtype != dtype or out.device != device or out.numel() != numel:
+            out = self._gathered = torch.empty(numel, dtype=dtype, device=device)
+        storage = out.untyped_storage()
+        if storage.size() != numel * out.element_size():
+            storage.resize_(numel * out.element_size())
+        for p in self.fsdp_params:
+            p.view_gathered(out, p.layout.start)
+        return out
+
+    def copy_out(self, output: torch.Tensor, params: list[FSDPParam]) -> None:
+        return  # the parameters view the output
+
+    def post_forward_shard(
+        self, params: list[FSDPParam], first: int, count: int, as_bytes: bool
+    ) -> torch.Tensor:
+        share = self.layouts[0].shard_numel  # rank blocks are consecutive ranges of the output
+        return self._gathered[first * share : (first + count) * share].clone()
+
+    def shard_numel(self, params: list[FSDPParam]) -> int:
+        return self.layouts[0].shard_numel  # S: the plan's, whichever parameters have gradients
+
+    def reduce_scatter_input(
+        self,
+        grads: list[torch.Tensor],
+        params: list[FSDPParam],
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The gradients at their plan's starts in one buffer of ``dtype``, zeros between."""
+        flat = out.view(-1) if out is not None else torch.empty(
+            self.world_size * self.shard_numel(params), dtype=dtype, device=grads[0].device
+        )
+        cursor = 0
+        for grad, p in zip(grads, params):  # registration order: the starts ascend
+            start = p.layout.start
+            if start > cursor:
+                flat[cursor:start].zero_()
+            flat[start : start + grad.numel()].view(grad.shape).copy_(grad)
+            cursor = start + grad.numel()
+        if cursor < flat.numel():
+            flat[cursor:].zero_()
+        return flat
+
+    def sharded_grads(self, output: torch.Tensor, params: list[FSDPParam]) -> list[torch.Tensor]:
+        blocks = self.shard_blocks(output, params)
+        return [block.view(p.layout.local_size) for p, block in zip(params, blocks)]
+
+    def shard_blocks(self, output: torch.Tensor, params: list[FSDPParam]) -> list[torch.Tensor]:
+        return [
+            output[p.layout.shard_offset : p.layout.shard_offset + p.layout.padded_shard_numel]
+            for p in params
+        ]
 
 
 def load_rows(
     module: torch.nn.Module,
-    fsdp_params: list,  # FSDPParam (param.py imports this module)
+    fsdp_params: list[FSDPParam],
     state_dict: dict,
     prefix: str,
     error_msgs: list[str],
