@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "pipelining"),  # the public surface: re-exports only
     ("plan",),  # the planner drives the library as a user would
-    ("checkpoint", "optim", "fsdp1", "integrations"),  # tools on the public surface
+    ("checkpoint", "optim", "fsdp1", "integrations", "quant"),  # tools on the public surface
     ("fully_shard",),
     ("module",),  # FSDPModule, the control surface
     ("handles",),

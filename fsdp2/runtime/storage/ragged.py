@@ -16,6 +16,9 @@ dim-0 layout disappear (``ParamMajor``, the group's ``BufferOrder``: see
 - the reduce-scatter input is the gradients in the same order: one pass
   writes each gradient at its start (its cast to the reduce dtype included)
   and zeros the gaps, no rank-major reordering (``reduce_scatter_input``).
+  The gradients are not made views of that input: autograd hands each over
+  as a tensor of its own, and accumulating into a pre-set view would be a
+  zeroing and an add instead of one copy.
 
 ``RaggedRows`` answers what ``ShardLayout`` answers for ``torch.chunk``
 (local rows, local size, the slot size) so ``FSDPParam`` reads either alike.

@@ -1,0 +1,180 @@
+"""Block-scaled fp8 all-gather (fsdp2.quant.gather_fp8_tiles): quantize-after-gather's bits.
+
+Each rank quantizes the 128 x 128 tiles of its own rows and the group gathers
+codes and scales; the weight a module computes with must equal, bit for bit,
+``dequantize_tiles(*quantize_tiles(full weight))`` at every world size, the
+all-gather must carry the codes and scales only (about half of bf16's bytes),
+and training must match a single-process model that quantizes its weights
+the same way in forward (gradients straight through). See [Note: Block-scaled
+fp8 all-gather] in fsdp2/quant/fp8_tiles.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _impl import fsdp2_only
+from checks import assert_losses_match, check_case, log_collectives, train_steps
+from models import cpu_mesh, full
+
+import fsdp2
+from fsdp2 import MixedPrecisionPolicy, fully_shard
+from fsdp2.quant import dequantize_tiles, gather_fp8_tiles, quantize_tiles
+
+pytestmark = fsdp2_only  # fsdp2's own recipe
+
+TILE = 128
+
+
+class _FakeQuant(torch.autograd.Function):
+    """The reference's weight: quantized and dequantized in forward, gradient straight through."""
+
+    @staticmethod
+    def forward(ctx, w, dtype):
+        return dequantize_tiles(*quantize_tiles(w.detach(), TILE), TILE, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Net(nn.Module):
+    """Two tiled weights (512 rows: whole tiles per rank at W = 1, 2, 4; 192 columns: a
+    partial column tile) and a small head gathered as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(192, 512, bias=False)
+        self.b = nn.Linear(512, 512, bias=False)
+        self.head = nn.Linear(512, 8)
+        self.quantize_in_forward = False  # the single-process reference's switch
+
+    def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_in_forward:
+            return F.linear(x, _FakeQuant.apply(linear.weight, linear.weight.dtype))
+        return linear(x)  # sharded: the module's hooks gather its weight
+
+    def forward(self, x):
+        x = torch.tanh(self._linear(self.a, x))
+        x = torch.tanh(self._linear(self.b, x))
+        return self.head(x)
+
+
+def _batch(step: int, world_size: int):
+    g = torch.Generator().manual_seed(40 + step)
+    return torch.randn(2 * world_size, 192, generator=g), torch.randn(2 * world_size, 8, generator=g)
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _tiled(name: str, p) -> bool:
+    return name in ("a.weight", "b.weight")
+
+
+def _sharded(mp_policy=None):
+    torch.manual_seed(5)
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    for layer in (model.a, model.b):
+        fully_shard(layer, mesh=cpu_mesh(), mp_policy=mp_policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=cpu_mesh(), mp_policy=mp_policy or MixedPrecisionPolicy())
+    assert gather_fp8_tiles(model, filter_fn=_tiled) == ["a.weight", "b.weight"]
+    return ref, model
+
+
+def _gathered_weights(model) -> dict[str, torch.Tensor]:
+    """The weights the linears compute with in the next forward (the unsharded parameters)."""
+    seen = {}
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, m.weight.detach().clone())
+        )
+        for name, layer in (("a", model.a), ("b", model.b))
+    ]
+    _loss(model, _batch(0, 1))
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def _quantize_after_gather(rank, world_size):
+    for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)):
+        ref, model = _sharded(mp)
+        dtype = torch.float32 if mp is None else torch.bfloat16
+        with log_collectives() as log:
+            seen = _gathered_weights(model)
+        for name in ("a", "b"):
+            want = dequantize_tiles(*quantize_tiles(getattr(ref, name).weight.detach()), TILE, dtype)
+            assert seen[name].dtype == dtype
+            assert torch.equal(seen[name], want), (name, mp)
+        if world_size > 1:  # bytes on the wire: codes (1 byte) + one fp32 scale per tile
+            for rows, cols in ((512, 192), (512, 512)):
+                tiles = (rows // TILE) * -(-cols // TILE)
+                assert ("all_gather", rows * cols + 4 * tiles) in log, (rows, cols, log)
+
+
+def _training(rank, world_size):
+    """One step against the reference: the same quantized weights, so the gradients (reduced
+    over the ranks' batch slices) and the step agree within the tests' tolerances. Later
+    steps start from weights that differ in their last bits (the reduction's order), and
+    an fp8 rounding that flips on such a bit moves an element by a whole fp8 step."""
+    ref, model = _sharded()
+    ref.quantize_in_forward = True
+    # SGD: AdamW's first step is lr * sign(grad), which turns a gradient's last bit into lr
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+    ref_losses, losses = train_steps(ref, model, [_batch(0, world_size)], _loss, rank, world_size,
+                                     opts)
+    assert_losses_match(ref_losses, losses)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(full(p.detach()), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _bad_input(rank, world_size):
+    torch.manual_seed(5)
+    with pytest.raises(ValueError, match="call it after fully_shard"):
+        gather_fp8_tiles(_Net())
+    with pytest.raises(ValueError, match=r"tile=0"):
+        gather_fp8_tiles(_Net(), tile=0)
+    if world_size == 4:  # 320 rows: 80 per rank, a tile straddles ranks 0 and 1
+        odd = nn.Sequential(nn.Linear(64, 320, bias=False))
+        fully_shard(odd, mesh=cpu_mesh())
+        with pytest.raises(ValueError, match=r"'0.weight' has 320 rows, 80 per rank at W=4"):
+            gather_fp8_tiles(odd)
+    ragged = _Net()
+    fully_shard(ragged, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
+    with pytest.raises(NotImplementedError, match="parameter-major group"):
+        gather_fp8_tiles(ragged, filter_fn=_tiled)
+
+
+CASES = {
+    "quantize_after_gather": _quantize_after_gather,
+    "training": _training,
+    "bad_input": _bad_input,
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_tiles(case, world_size, launch_cases):
+    check_case(launch_cases(world_size, CASES), case)
+
+
+def test_tiles_are_local():
+    """A tile's codes and scale depend on its own elements: quantizing two row blocks cut at a
+    tile boundary gives the whole weight's codes and scales (what makes the gather exact)."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 200) * torch.logspace(-3, 3, 200)
+    codes, scales = quantize_tiles(x)
+    top, bottom = quantize_tiles(x[:256]), quantize_tiles(x[256:])
+    assert torch.equal(torch.cat([top[0], bottom[0]]), codes)
+    assert torch.equal(torch.cat([top[1], bottom[1]]), scales)
+    err = (dequantize_tiles(codes, scales) - x).abs()
+    tile_max = x.abs().max()
+    assert err.max() <= tile_max / 8  # e4m3: 3 mantissa bits, so within 1/16 of each tile's amax
