@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from _impl import fsdp2_only
 from checks import assert_losses_match, check_case, log_collectives, train_steps
 from models import cpu_mesh, full
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import MixedPrecisionPolicy, fully_shard
@@ -78,13 +79,14 @@ def _tiled(name: str, p) -> bool:
     return name in ("a.weight", "b.weight")
 
 
-def _sharded(mp_policy=None):
+def _sharded(mp_policy=None, mesh=None):
     torch.manual_seed(5)
     ref = _Net()
     model = copy.deepcopy(ref)
+    kwargs = {"mesh": mesh or cpu_mesh(), "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for layer in (model.a, model.b):
-        fully_shard(layer, mesh=cpu_mesh(), mp_policy=mp_policy or MixedPrecisionPolicy())
-    fully_shard(model, mesh=cpu_mesh(), mp_policy=mp_policy or MixedPrecisionPolicy())
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     assert gather_fp8_tiles(model, filter_fn=_tiled) == ["a.weight", "b.weight"]
     return ref, model
 
@@ -105,8 +107,11 @@ def _gathered_weights(model) -> dict[str, torch.Tensor]:
 
 
 def _quantize_after_gather(rank, world_size):
-    for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)):
-        ref, model = _sharded(mp)
+    configs = [(None, None), (MixedPrecisionPolicy(param_dtype=torch.bfloat16), None)]
+    if world_size == 4:  # HSDP: the tiles of the shard dim's rows, replicas alike
+        configs.append((None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))))
+    for mp, mesh in configs:
+        ref, model = _sharded(mp, mesh)
         dtype = torch.float32 if mp is None else torch.bfloat16
         with log_collectives() as log:
             seen = _gathered_weights(model)
