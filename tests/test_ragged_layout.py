@@ -339,16 +339,25 @@ def _muon(rank, world_size):
 
 
 def _dtensor_step(rank, world_size):
-    """torch's own AdamW step on the ragged DTensors (flat step off): the flat step's bits."""
+    """torch's own AdamW step on the ragged DTensors (flat step off): the flat step's bits,
+    also across a state dict loaded between two steps (the step before it replayed)."""
     results = []
+    batches = [transformer_batch(s, 2 * world_size) for s in range(STEPS)]
     for flat in (True, False):
         model = build_transformer(seed=33)
         shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=_ragged(16))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
         if not flat:
             fsdp2.disable_flat_step(optim)
-        train_alone(model, [transformer_batch(s, 2 * world_size) for s in range(STEPS)],
-                    transformer_loss, rank, world_size, optim)
+        train_alone(model, batches[:1], transformer_loss, rank, world_size, optim)
+        saved = copy.deepcopy(optim.state_dict())
+        weights = [p.detach().to_local().clone() for p in model.parameters()]
+        train_alone(model, batches[1:2], transformer_loss, rank, world_size, optim)
+        optim.load_state_dict(saved)  # back one step: the state, then the weights in place
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights):
+                p.to_local().copy_(w)
+        train_alone(model, batches[1:], transformer_loss, rank, world_size, optim)
         for p in model.parameters():
             assert isinstance(p.placements[-1], RaggedShard)
             assert isinstance(optim.state[p]["exp_avg"].placements[-1], RaggedShard)
