@@ -807,3 +807,38 @@ def keep_ragged_placements() -> None:
         _redistribute._gen_transform_infos_non_cached
     )
     _RAGGED_PROPAGATION_INSTALLED = True
+
+
+_LOCAL_CACHE_KEYS_INSTALLED = False
+
+
+def cache_keys_see_local_tensors() -> None:
+    """Make the compile cache tell DTensors apart by their local tensors too; installed once.
+
+    AOTAutograd's on-disk cache keys a DTensor input by
+    ``DTensor._stable_hash_for_caching`` (torch 2.13 - 2.15, checked on both):
+    the spec (mesh, placements, *global* shape) and, on 2.15, the local
+    device. Two DTensors of one spec whose local tensors differ (uneven
+    shards: other rows on another rank, or on the same rank for two
+    same-shaped parameters of a parameter-major group; a quantized local
+    tensor on one rank and a plain one on another) then share one key, and a
+    compile reuses a graph made for the other's local tensor: a size assertion
+    or an ``AttributeError`` inside the compiled step (torchao's low-bit
+    optimizers compile their step per parameter). This appends the local
+    tensor's type, shape and stride to the key. Keys only get more specific:
+    a DTensor whose local tensor matches compiles and caches as before.
+    """
+    global _LOCAL_CACHE_KEYS_INSTALLED
+    if _LOCAL_CACHE_KEYS_INSTALLED:
+        return
+    import hashlib
+
+    original = DTensor._stable_hash_for_caching
+
+    def stable_hash_for_caching(self: DTensor) -> str:
+        local = self._local_tensor
+        seen = f"{original(self)}|{type(local).__qualname__}|{tuple(local.shape)}|{local.stride()}"
+        return hashlib.blake2b(seen.encode(), digest_size=16).hexdigest()
+
+    DTensor._stable_hash_for_caching = stable_hash_for_caching
+    _LOCAL_CACHE_KEYS_INSTALLED = True

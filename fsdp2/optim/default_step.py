@@ -65,6 +65,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._torch_compat import keep_step_hooks_innermost
 from ..runtime.storage.flat_shard import flat_shard_of, flat_slot_of
+from .quantized_state import is_block_quantized, use_block_aligned_state
 from .step_engine import StepEngine
 from .step_plan import is_elementwise
 
@@ -184,6 +185,8 @@ def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
         return  # traced as torch's own step; See [Note: Calls the engine steps aside for]
     current = optimizer.__dict__.get(_ATTR)
     if current is None:
+        if is_block_quantized(optimizer):  # torchao's low-bit state: not a flat step, its layout
+            use_block_aligned_state(optimizer)  # See [Note: Quantized state on block-aligned shards]
         if not _default_enabled():
             return  # undecided: a later switch-on still applies
         if is_elementwise(optimizer) and any(_wholly_flat(g) for g in optimizer.param_groups):
