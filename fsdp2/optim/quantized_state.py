@@ -20,7 +20,7 @@ block *is* a global block. fsdp2 then builds such a parameter's state
 itself, in place of the optimizer's ``_new_buffer`` (an instance attribute
 set at the optimizer's first ``step()``): the quantize-or-fp32 choice is the
 optimizer's own, asked about the whole parameter (its ``_new_buffer`` on a
-``meta`` tensor of the full shape), and each rank quantizes its rows with the
+``meta`` tensor of its size), and each rank quantizes its rows with the
 optimizer's own ``_subclass_zeros``. A rank holding no rows of a quantized
 parameter keeps an empty fp32 tensor (a quantized tensor needs at least one
 block). Everything else (the step itself, compiled by torchao, on the
@@ -31,6 +31,26 @@ codes, scales and parameters equal torchao's single-process step's at any
 
 Parameters on any other placement (dim-0, a ragged placement that cuts
 blocks, replicated, not sharded) get the optimizer's own ``_new_buffer``.
+
+[Note: Loading quantized state at another world size]
+DCP reshards a checkpoint by copying each saved chunk's rows into the rows
+each rank now holds, and torchao's state tensors take any copy: quantized
+into fp32 dequantizes, fp32 into quantized quantizes, quantized into
+quantized copies codes and scales where the blocks line up (and raises
+torchao's ``ValueError`` where a copy would cut a block). Where dim-0 shards
+put the blocks elsewhere at the new world size, or make another
+quantize-or-fp32 choice, the load would change the state silently: training
+goes on from other moments than the saved run had. So ``state_dict()``
+records, per parameter, the *units* its state is kept in (runs of elements
+in fp32, or in blocks counted from a given element: ``state_units``) in
+each saved param group, under ``"fsdp2_state_units"``, and
+``load_state_dict`` compares the saved units with this layout's before
+torch's load runs: the same units (any world size on block-aligned shards,
+and any dim-0 world sizes whose shards happen to keep the blocks) load;
+others raise ``ValueError`` naming the parameter, and the optimizer must not
+step before a checkpoint that fits is loaded (DCP has already written into
+its state in place). A checkpoint without the entry (saved without fsdp2)
+is not checked.
 
 Reads torchao's private ``_AdamBase._new_buffer(p, signed)``,
 ``_subclass_zeros(p, signed, block_size)`` and ``block_size`` (torchao 0.18,
@@ -44,13 +64,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .._torch_compat import RaggedShardBase, cache_keys_see_local_tensors
 
-__all__ = ["block_aligned", "is_block_quantized", "use_block_aligned_state"]
+__all__ = ["block_aligned", "is_block_quantized", "state_units", "use_block_aligned_state"]
 
 _ATTR = "_fsdp2_quantized_state"  # on the optimizer: set once its _new_buffer is ours
+_DECIDED = "_fsdp2_quantizes"  # on the optimizer: numel -> quantized, torchao's choice
+UNITS_KEY = "fsdp2_state_units"  # in each saved param group: one entry per parameter
+
+# (start, end, quantized): elements [start, end) of the flattened parameter kept in fp32,
+# or quantized in blocks counted from ``start``
+Units = tuple[tuple[int, int, bool], ...]
 
 
 def is_block_quantized(optimizer: torch.optim.Optimizer) -> bool:
@@ -79,10 +105,100 @@ def block_aligned(param: torch.Tensor, block_size: int) -> bool:
     return all(b * row % block_size == 0 for b in ragged[0].row_bounds)
 
 
-def quantizes_whole(optimizer: torch.optim.Optimizer, shape: torch.Size, signed: bool) -> bool:
-    """The optimizer's own quantize-or-fp32 choice for a tensor of ``shape`` (asked on ``meta``)."""
-    probe = type(optimizer)._new_buffer(optimizer, torch.empty(shape, device="meta"), signed)
-    return type(probe) is not torch.Tensor
+def quantizes(optimizer: torch.optim.Optimizer, numel: int) -> bool:
+    """The optimizer's own quantize-or-fp32 choice for a tensor of ``numel`` elements.
+
+    Asked of its class's ``_new_buffer`` on a ``meta`` tensor (torchao decides by
+    the element count), once per size.
+    """
+    decided = optimizer.__dict__.setdefault(_DECIDED, {})
+    if numel not in decided:
+        probe = type(optimizer)._new_buffer(optimizer, torch.empty(numel, device="meta"), True)
+        decided[numel] = type(probe) is not torch.Tensor
+    return decided[numel]
+
+
+def _row_bounds(param: DTensor) -> tuple[int, ...] | None:
+    """Rows each rank's state covers, where only dim 0 is sharded (``None``: another layout)."""
+    sharded = [(i, p) for i, p in enumerate(param.placements) if not p.is_replicate()]
+    if not sharded:
+        return (0, param.shape[0]) if param.dim() else None
+    if len(sharded) != 1 or not isinstance(sharded[0][1], Shard) or sharded[0][1].dim != 0:
+        return None
+    mesh_dim, placement = sharded[0]
+    if isinstance(placement, RaggedShardBase):
+        return placement.row_bounds or None
+    rows, ranks = param.shape[0], param.device_mesh.size(mesh_dim)
+    per = -(-rows // ranks)  # torch.chunk's rows per rank
+    return tuple(min(r * per, rows) for r in range(ranks)) + (rows,)
+
+
+def state_units(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Units | None:
+    """The runs of ``param``'s elements its state keeps in fp32 or in blocks (``None``: unknown).
+
+    Two layouts of one parameter whose units are equal hold the same state
+    values in the same blocks: a checkpoint moves between them exactly.
+    """
+    block_size = optimizer.block_size
+    if not isinstance(param, DTensor) or block_aligned(param, block_size):
+        chunks = [(0, param.numel(), quantizes(optimizer, param.numel()))]
+    else:
+        bounds = _row_bounds(param)
+        if bounds is None:
+            return None
+        row = math.prod(param.shape[1:])
+        chunks = [(a * row, b * row, quantizes(optimizer, (b - a) * row))
+                  for a, b in zip(bounds, bounds[1:])]
+    units: list[tuple[int, int, bool]] = []
+    for start, end, quantized in chunks:
+        if start == end:
+            continue
+        if units and units[-1][2] == quantized and (
+            not quantized or (start - units[-1][0]) % block_size == 0
+        ):
+            units[-1] = (units[-1][0], end, quantized)  # the same blocks go on
+        else:
+            units.append((start, end, quantized))
+    return tuple(units)
+
+
+def _save_units(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict()`` post-hook: each saved param group records its parameters' units."""
+    groups = []
+    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+        units = tuple(state_units(optimizer, p) for p in group["params"])
+        groups.append({**saved, UNITS_KEY: units})
+    return {**state_dict, "param_groups": groups}
+
+
+def _check_units(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre-hook: refuse state whose blocks do not fit this layout."""
+    groups = []
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
+        saved = dict(saved)
+        units = saved.pop(UNITS_KEY, None)
+        groups.append(saved)
+        if units is None:
+            continue  # saved without fsdp2: nothing to compare
+        for i, (param, was) in enumerate(zip(group["params"], units)):
+            now = state_units(optimizer, param)
+            if was is None or now is None or tuple(map(tuple, was)) == now:
+                continue
+            raise ValueError(
+                f"{type(optimizer).__name__}: the saved state of parameter {i} of param group "
+                f"{g} (shape {tuple(param.shape)}) is kept in other units than this layout "
+                f"keeps it in (saved: {_describe(was)}; here: {_describe(now)}, blocks of "
+                f"{optimizer.block_size}): loading it would requantize or dequantize it "
+                "silently. Load it at the world size it was saved at, or shard with "
+                f"fsdp2.RaggedShard({optimizer.block_size}) (each block on one rank: the same "
+                "state at any world size). DCP has already written into this optimizer's "
+                "state: load a fitting checkpoint before stepping it."
+            )
+    return {**state_dict, "param_groups": groups}
+
+
+def _describe(units: Any) -> str:
+    return ", ".join(f"[{a}, {b}) {'quantized' if q else 'fp32'}" for a, b, q in units) or "empty"
 
 
 def use_block_aligned_state(optimizer: torch.optim.Optimizer) -> None:
@@ -101,7 +217,7 @@ def use_block_aligned_state(optimizer: torch.optim.Optimizer) -> None:
         if not block_aligned(p, block_size):
             return original(p, signed)
         local = p.to_local()
-        if local.numel() and quantizes_whole(optimizer, p.shape, signed):
+        if local.numel() and quantizes(optimizer, p.numel()):
             out = optimizer._subclass_zeros(local, signed, block_size)
         else:
             out = torch.zeros_like(local)
@@ -111,4 +227,6 @@ def use_block_aligned_state(optimizer: torch.optim.Optimizer) -> None:
         return state.to(p.device)  # from_local moves to the mesh's device type (CPU offload)
 
     optimizer._new_buffer = new_buffer
+    optimizer.register_state_dict_post_hook(_save_units)
+    optimizer.register_load_state_dict_pre_hook(_check_units)
     optimizer.__dict__[_ATTR] = True
