@@ -63,6 +63,8 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos_non_cached"),
     ("torch.distributed.tensor._redistribute", "_TransformInfo"),
+    # cache_keys_see_local_tensors
+    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching"),
 ]
 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12):
     PRIVATE_SYMBOLS.append(("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"))
@@ -106,3 +108,26 @@ def test_optimizer_step_hook_dicts() -> None:
     keep_step_hooks_innermost(opt, mine.id, mine_post.id)
     opt.step()
     assert order == ["user-pre", "mine-pre", "mine-post", "user-post"]
+
+
+def test_cache_keys_see_local_tensors() -> None:
+    # Two DTensors of one spec (uneven shards) must not share an AOTAutograd cache key.
+    import torch.distributed as dist
+
+    from fsdp2._torch_compat import cache_keys_see_local_tensors
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        cache_keys_see_local_tensors()
+
+        def key(rows: int) -> str:
+            local = torch.zeros(rows, 4)
+            dt = DTensor.from_local(local, mesh, run_check=False, shape=(8, 4), stride=(4, 1))
+            return dt._stable_hash_for_caching()
+
+        assert key(3) != key(5)  # the same spec, other local rows: other graphs
+        assert key(3) == key(3)  # stable: the cache still hits
+    finally:
+        dist.destroy_process_group()
