@@ -19,8 +19,9 @@ size, so that only the optimizer can differ):
   dim-0 shards a load whose blocks moved raises, and one whose blocks did
   not (W = 2 -> one process) loads exactly.
 
-torchao compiles its step per parameter shape, so the cases share one model
-and a few launches.
+torchao compiles its step per parameter shape, so every case shares one
+model and one launch per world size (W = 2, then 4, then 1, the order the
+checkpoints go in); the launches return snapshots and the tests compare them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from _impl import fsdp2_only
-from checks import check_case
+from _multiproc import run_ranks
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -154,75 +155,17 @@ def _assert_same(got: dict, want: dict, where: str) -> None:
                 assert torch.equal(x, y), f"{where}: param {i} {key} ({a[key][0]}) differs"
 
 
-def _single(name: str) -> dict:
-    """torchao's own single-process step (every rank runs it whole; no collective)."""
-    model = _mlp("single")
-    optim = _optimizer(name, model)
-    losses = _train(model, optim, range(STEPS))
-    return {**_snapshot(model, optim, alone=True), "losses": losses}
-
-
-# ---------------------------------------------------------------- the same state at any W
-
-
-def _block_aligned_case(name: str):
-    def case(rank: int, world_size: int) -> None:
-        want = _single(name)
-        model = _mlp("ragged")
-        optim = _optimizer(name, model)
-        losses = _train(model, optim, range(STEPS))
-        got = _snapshot(model, optim)
-        assert all(v[0] != "fp32" for s in got["states"] for k, v in s.items() if k != "step")
-        _assert_same(got, want, f"RaggedShard(256), W={world_size}")
-        assert losses == want["losses"]
-
-    return case
-
-
-def _dim0_case(rank: int, world_size: int) -> None:
-    """fsdp2's dim-0 shards give upstream's fully_shard's bits; at W = 4 not the single-process ones."""
-    results = {}
-    for layout in ("dim0", "upstream"):
-        model = _mlp(layout)
-        optim = _optimizer("AdamW8bit", model)
-        _train(model, optim, range(STEPS))
-        results[layout] = _snapshot(model, optim)
-    _assert_same(results["dim0"], results["upstream"], f"dim-0, W={world_size}")
-    kinds = {v[0] for s in results["dim0"]["states"] for k, v in s.items() if k != "step"}
-    want = _single("AdamW8bit")
-    same_params = all(torch.equal(a, b) for a, b in zip(results["dim0"]["params"], want["params"]))
-    if world_size == 4:  # 3,840-element shards: under torchao's threshold, fp32 state
-        assert kinds == {"fp32"} and not same_params, kinds
-    else:  # W = 2: shards of whole blocks over 4,096 elements: the single-process state
-        assert kinds == {"OptimState8bit"} and same_params, kinds
-
-
-CASES = {name: _block_aligned_case(name) for name in OPTIMIZERS}
-DIM0_CASES = {"dim0_is_upstream": _dim0_case}
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_block_aligned_state_is_world_size_free(name, world_size, launch_cases):
-    """Codes, scales, fp32 values, step, parameters and losses: torchao's single-process bits."""
-    check_case(launch_cases(world_size, CASES, timeout=600), name)
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dim0_state_is_upstreams(world_size, launch_cases):
-    check_case(launch_cases(world_size, DIM0_CASES, timeout=600), "dim0_is_upstream")
-
-
-# ---------------------------------------------------------------- checkpoints across W
-
-REFUSAL = "loading it would requantize or dequantize it silently"
-
-
-def _checkpointed(layout: str) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
-    """A fresh model and AdamW8bit (its state made by DCP's zero step) and what DCP loads into."""
+def _trained(layout: str, name: str, save_after: int | None = None, path: str = "") -> tuple:
+    """``STEPS`` steps on ``layout``: model, optim, losses, and (with ``save_after``) the
+    snapshot DCP saved to ``path`` after that many steps."""
     model = _mlp(layout)
-    optim = _optimizer("AdamW8bit", model)
-    return model, optim, {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
+    optim = _optimizer(name, model)
+    if save_after is None:
+        return model, optim, _train(model, optim, range(STEPS)), None
+    losses = _train(model, optim, range(save_after))
+    _save(model, optim, path)
+    saved = _snapshot(model, optim)
+    return model, optim, losses + _train(model, optim, range(save_after, STEPS)), saved
 
 
 def _save(model, optim, path: str) -> None:
@@ -230,76 +173,115 @@ def _save(model, optim, path: str) -> None:
              checkpoint_id=path)
 
 
-def _load(model, optim, state: dict, path: str) -> None:
+def _loaded(layout: str, path: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh model and AdamW8bit (its state made by DCP's zero step), loaded from ``path``."""
+    model = _mlp(layout)
+    optim = _optimizer("AdamW8bit", model)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
+    return model, optim
 
 
-def _save_at_2(rank: int, world_size: int, root: str) -> dict:
-    out = {}
-    for layout in ("ragged", "dim0"):
-        model = _mlp(layout)
-        optim = _optimizer("AdamW8bit", model)
-        losses = _train(model, optim, range(2))
-        _save(model, optim, f"{root}/{layout}2")
-        out[layout] = {**_snapshot(model, optim), "losses": losses}
-    return out
+def _launch(rank: int, world_size: int, root: str) -> dict:
+    """Everything one world size runs; rank 0's snapshots come back.
 
-
-def _load_at_4(rank: int, world_size: int, root: str) -> dict:
-    model, optim, state = _checkpointed("ragged")
-    _load(model, optim, state, f"{root}/ragged2")
-    loaded = _snapshot(model, optim)
-    losses = _train(model, optim, range(2, 3))
-    _save(model, optim, f"{root}/ragged4")
-    # dim-0 at W = 4: 3,840-element shards keep fp32 state where W = 2 kept blocks
-    model, optim, state = _checkpointed("dim0")
-    with pytest.raises(ValueError, match=REFUSAL):
-        _load(model, optim, state, f"{root}/dim02")
-    return {"loaded": loaded, "losses": losses}
-
-
-def _load_in_one_process(rank: int, world_size: int, root: str) -> dict:
-    out = {}
-    for name in ("ragged4", "dim02"):  # dim-0 at W = 2 kept whole blocks: exact in one process
-        model, optim, state = _checkpointed("single")
-        _load(model, optim, state, f"{root}/{name}")
-        out[name] = _snapshot(model, optim, alone=True)
-        if name == "ragged4":
-            out["losses"] = _train(model, optim, range(3, 4))
-            out["trained"] = _snapshot(model, optim, alone=True)
-    model = _mlp("single")
-    optim = _optimizer("AdamW8bit", model)
-    out["uninterrupted"] = {"losses": _train(model, optim, range(4)),
-                            **_snapshot(model, optim, alone=True)}
+    W = 2 saves the block-aligned and the dim-0 AdamW8bit runs after 2 steps;
+    W = 4 loads the first, steps once and saves it again, and tries the
+    second; one process loads both and steps once more.
+    """
+    out: dict = {"ragged": {}}
+    for name in OPTIMIZERS:
+        save = 2 if world_size == 2 and name == "AdamW8bit" else None
+        model, optim, losses, saved = _trained("ragged", name, save, f"{root}/ragged2")
+        out["ragged"][name] = {**_snapshot(model, optim), "losses": losses}
+        if saved is not None:
+            out["saved"] = saved
+    if world_size > 1:  # dim-0 shards, fsdp2's and upstream's
+        for layout in ("dim0", "upstream"):
+            save = 2 if world_size == 2 and layout == "dim0" else None
+            model, optim, _, saved = _trained(layout, "AdamW8bit", save, f"{root}/dim02")
+            out[layout] = _snapshot(model, optim)
+            if saved is not None:
+                out["dim0_saved"] = saved
+    if world_size == 4:
+        model, optim = _loaded("ragged", f"{root}/ragged2")
+        out["loaded"] = _snapshot(model, optim)
+        out["losses"] = _train(model, optim, range(2, 3))
+        _save(model, optim, f"{root}/ragged4")
+        out["saved"] = _snapshot(model, optim)
+        try:  # dim-0 at W = 4: 3,840-element shards keep fp32 state where W = 2 kept blocks
+            _loaded("dim0", f"{root}/dim02")
+            out["refused"] = None
+        except ValueError as e:
+            out["refused"] = str(e)
+    if world_size == 1:
+        out["single"] = {}
+        for name in OPTIMIZERS:  # torchao's own single-process step
+            model, optim, losses, _ = _trained("single", name)
+            out["single"][name] = {**_snapshot(model, optim, alone=True), "losses": losses}
+            if name == "AdamW8bit":  # and one step more: the uninterrupted run
+                losses = losses + _train(model, optim, range(STEPS, STEPS + 1))
+                out["uninterrupted"] = {**_snapshot(model, optim, alone=True), "losses": losses}
+        model, optim = _loaded("single", f"{root}/ragged4")
+        out["loaded"] = _snapshot(model, optim, alone=True)
+        out["losses"] = _train(model, optim, range(STEPS, STEPS + 1))
+        out["trained"] = _snapshot(model, optim, alone=True)
+        model, optim = _loaded("single", f"{root}/dim02")  # W = 2's shards held whole blocks
+        out["dim0_loaded"] = _snapshot(model, optim, alone=True)
     return out
 
 
 @pytest.fixture(scope="module")
-def dcp_chain(tmp_path_factory) -> tuple[dict, dict, dict]:
-    """Saved at W = 2, loaded and saved again at W = 4, loaded in one process (rank 0's views)."""
-    from _multiproc import run_ranks
-
-    root = str(tmp_path_factory.mktemp("quantized_dcp"))
-    at2 = run_ranks(_save_at_2, 2, root, timeout=600)[0]
-    at4 = run_ranks(_load_at_4, 4, root, timeout=600)[0]
-    one = run_ranks(_load_in_one_process, 1, root, timeout=600)[0]
-    return at2, at4, one
+def runs(tmp_path_factory) -> dict[int, dict]:
+    """Rank 0's results at W = 2, 4 and 1, run in that order (the checkpoints' order)."""
+    root = str(tmp_path_factory.mktemp("quantized_state"))
+    return {ws: run_ranks(_launch, ws, root, timeout=900)[0] for ws in (2, 4, 1)}
 
 
-def test_dcp_block_aligned_state_across_world_sizes(dcp_chain):
+def _kinds(snapshot: dict) -> set[str]:
+    return {v[0] for state in snapshot["states"] for k, v in state.items() if k != "step"}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_block_aligned_state_is_world_size_free(name, world_size, runs):
+    """Codes, scales, fp32 values, step, parameters and losses: torchao's single-process bits."""
+    got, want = runs[world_size]["ragged"][name], runs[1]["single"][name]
+    assert _kinds(want) == {f"OptimState{name[5:]}"}, _kinds(want)  # quantized, every tensor
+    _assert_same(got, want, f"{name} on RaggedShard(256), W={world_size}")
+    assert got["losses"] == want["losses"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dim0_state_is_upstreams(world_size, runs):
+    """fsdp2's dim-0 shards give upstream's bits; at W = 4 not the single-process ones."""
+    run, want = runs[world_size], runs[1]["single"]["AdamW8bit"]
+    _assert_same(run["dim0"], run["upstream"], f"dim-0 against upstream, W={world_size}")
+    same = all(torch.equal(a, b) for a, b in zip(run["dim0"]["params"], want["params"]))
+    if world_size == 4:  # 3,840-element shards: under torchao's threshold, fp32 state
+        assert _kinds(run["dim0"]) == {"fp32"} and not same
+    else:  # W = 2: shards of whole blocks over 4,096 elements: the single-process state
+        assert _kinds(run["dim0"]) == {"OptimState8bit"} and same
+        _assert_same(run["dim0"], want, "dim-0 W=2 against one process")
+
+
+def test_dcp_block_aligned_state_across_world_sizes(runs):
     """W = 2 -> W = 4 -> one process: state to the bit, then the uninterrupted run's losses."""
-    at2, at4, one = dcp_chain
-    saved = {k: v for k, v in at2["ragged"].items() if k != "losses"}
-    _assert_same(at4["loaded"], saved, "loaded at W=4")
-    uninterrupted = one["uninterrupted"]
-    assert at2["ragged"]["losses"] + at4["losses"] + one["losses"] == uninterrupted["losses"]
-    _assert_same(one["trained"], uninterrupted, "trained on after the loads")
+    _assert_same(runs[4]["loaded"], runs[2]["saved"], "W=2's checkpoint loaded at W=4")
+    _assert_same(runs[1]["loaded"], runs[4]["saved"], "W=4's checkpoint loaded in one process")
+    uninterrupted = runs[1]["uninterrupted"]
+    losses = runs[2]["ragged"]["AdamW8bit"]["losses"][:2] + runs[4]["losses"] + runs[1]["losses"]
+    assert losses == uninterrupted["losses"]
+    _assert_same(runs[1]["trained"], uninterrupted, "trained on after the loads")
 
 
-def test_dcp_dim0_state_loads_only_where_blocks_stay(dcp_chain):
-    """dim-0 W = 2 -> W = 4 raised (in the W = 4 launch); W = 2 -> one process is exact."""
-    at2, _, one = dcp_chain
-    saved = {k: v for k, v in at2["dim0"].items() if k != "losses"}
-    _assert_same(one["dim02"], saved, "dim-0 W=2 loaded in one process")
+def test_dcp_dim0_state_loads_only_where_blocks_stay(runs):
+    """dim-0 W = 2 -> W = 4 raises naming the parameter; W = 2 -> one process is exact."""
+    refused = runs[4]["refused"]
+    assert refused is not None and REFUSAL in refused and "parameter 0" in refused, refused
+    _assert_same(runs[1]["dim0_loaded"], runs[2]["dim0_saved"], "dim-0 W=2 loaded in one process")
+
+
+REFUSAL = "loading it would requantize or dequantize it silently"

@@ -49,8 +49,10 @@ torch's load runs: the same units (any world size on block-aligned shards,
 and any dim-0 world sizes whose shards happen to keep the blocks) load;
 others raise ``ValueError`` naming the parameter, and the optimizer must not
 step before a checkpoint that fits is loaded (DCP has already written into
-its state in place). A checkpoint without the entry (saved without fsdp2)
-is not checked.
+its state in place). A checkpoint without the entry (saved without fsdp2,
+or before it recorded one) is not checked: DCP's default planner refuses
+it as a missing key until the entry is dropped from the state dict it
+loads into, which is then the user's explicit choice.
 
 Reads torchao's private ``_AdamBase._new_buffer(p, signed)``,
 ``_subclass_zeros(p, signed, block_size)`` and ``block_size`` (torchao 0.18,
