@@ -15,7 +15,9 @@ size, so that only the optimizer can differ):
   which at W = 4 are not the single-process ones (the shards fall under
   torchao's 4,096-element threshold, so their state stays fp32);
 - DCP checkpoints of the block-aligned state go W = 2 -> W = 4 -> one process
-  to the bit, and training goes on with the uninterrupted run's losses; on
+  to the bit (``dcp`` with ``get/set_optimizer_state_dict``, and W = 2 -> 4
+  through ``fsdp2.save_checkpoint`` / ``load_checkpoint``), and training goes
+  on with the uninterrupted run's losses; on
   dim-0 shards a load whose blocks moved raises, and one whose blocks did
   not (W = 2 -> one process) loads exactly.
 
@@ -164,6 +166,8 @@ def _trained(layout: str, name: str, save_after: int | None = None, path: str = 
         return model, optim, _train(model, optim, range(STEPS)), None
     losses = _train(model, optim, range(save_after))
     _save(model, optim, path)
+    if layout == "ragged":  # and through fsdp2's own helper
+        fsdp2.save_checkpoint(f"{path}_helper", model, optim)
     saved = _snapshot(model, optim)
     return model, optim, losses + _train(model, optim, range(save_after, STEPS)), saved
 
@@ -211,6 +215,10 @@ def _launch(rank: int, world_size: int, root: str) -> dict:
         out["losses"] = _train(model, optim, range(2, 3))
         _save(model, optim, f"{root}/ragged4")
         out["saved"] = _snapshot(model, optim)
+        model = _mlp("ragged")
+        optim = _optimizer("AdamW8bit", model)
+        fsdp2.load_checkpoint(f"{root}/ragged2_helper", model, optim)
+        out["helper_loaded"] = _snapshot(model, optim)
         try:  # dim-0 at W = 4: 3,840-element shards keep fp32 state where W = 2 kept blocks
             _loaded("dim0", f"{root}/dim02")
             out["refused"] = None
@@ -270,6 +278,7 @@ def test_dim0_state_is_upstreams(world_size, runs):
 def test_dcp_block_aligned_state_across_world_sizes(runs):
     """W = 2 -> W = 4 -> one process: state to the bit, then the uninterrupted run's losses."""
     _assert_same(runs[4]["loaded"], runs[2]["saved"], "W=2's checkpoint loaded at W=4")
+    _assert_same(runs[4]["helper_loaded"], runs[2]["saved"], "fsdp2.load_checkpoint at W=4")
     _assert_same(runs[1]["loaded"], runs[4]["saved"], "W=4's checkpoint loaded in one process")
     uninterrupted = runs[1]["uninterrupted"]
     losses = runs[2]["ragged"]["AdamW8bit"]["losses"][:2] + runs[4]["losses"] + runs[1]["losses"]

@@ -191,10 +191,10 @@ def _check_units(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
                 f"{g} (shape {tuple(param.shape)}) is kept in other units than this layout "
                 f"keeps it in (saved: {_describe(was)}; here: {_describe(now)}, blocks of "
                 f"{optimizer.block_size}): loading it would requantize or dequantize it "
-                "silently. Load it at the world size it was saved at, or shard with "
-                f"fsdp2.RaggedShard({optimizer.block_size}) (each block on one rank: the same "
-                "state at any world size). DCP has already written into this optimizer's "
-                "state: load a fitting checkpoint before stepping it."
+                "silently. Load it on the layout and world size it was saved with, or train "
+                f"on fsdp2.RaggedShard({optimizer.block_size}) shards (each block on one rank: "
+                "the same state at any world size). DCP has already written into this "
+                "optimizer's state: load a fitting checkpoint before stepping it."
             )
     return {**state_dict, "param_groups": groups}
 
