@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from _impl import fsdp2_only
 from _multiproc import run_ranks
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -168,23 +169,29 @@ def _trained(layout: str, name: str, save_after: int | None = None, path: str = 
     _save(model, optim, path)
     if layout == "ragged":  # and through fsdp2's own helper
         fsdp2.save_checkpoint(f"{path}_helper", model, optim)
+    else:  # and as a flattened optimizer state dict
+        _save(model, optim, f"{path}_flat", FLAT)
     saved = _snapshot(model, optim)
     return model, optim, losses + _train(model, optim, range(save_after, STEPS)), saved
 
 
-def _save(model, optim, path: str) -> None:
-    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)},
-             checkpoint_id=path)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's form
 
 
-def _loaded(layout: str, path: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _save(model, optim, path: str, options: StateDictOptions | None = None) -> None:
+    optim_state = get_optimizer_state_dict(model, optim, options=options)
+    dcp.save({"model": model.state_dict(), "optim": optim_state}, checkpoint_id=path)
+
+
+def _loaded(layout: str, path: str, options: StateDictOptions | None = None) -> tuple:
     """A fresh model and AdamW8bit (its state made by DCP's zero step), loaded from ``path``."""
     model = _mlp(layout)
     optim = _optimizer("AdamW8bit", model)
-    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
+    state = {"model": model.state_dict(),
+             "optim": get_optimizer_state_dict(model, optim, options=options)}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
+    set_optimizer_state_dict(model, optim, state["optim"], options=options)
     return model, optim
 
 
@@ -219,11 +226,13 @@ def _launch(rank: int, world_size: int, root: str) -> dict:
         optim = _optimizer("AdamW8bit", model)
         fsdp2.load_checkpoint(f"{root}/ragged2_helper", model, optim)
         out["helper_loaded"] = _snapshot(model, optim)
-        try:  # dim-0 at W = 4: 3,840-element shards keep fp32 state where W = 2 kept blocks
-            _loaded("dim0", f"{root}/dim02")
-            out["refused"] = None
-        except ValueError as e:
-            out["refused"] = str(e)
+        out["refused"] = []  # dim-0 at W = 4: fp32 state where W = 2 kept blocks
+        for suffix, options in (("", None), ("_flat", FLAT)):
+            try:
+                _loaded("dim0", f"{root}/dim02{suffix}", options)
+                out["refused"].append(None)
+            except ValueError as e:
+                out["refused"].append(str(e))
     if world_size == 1:
         out["single"] = {}
         for name in OPTIMIZERS:  # torchao's own single-process step
@@ -287,9 +296,10 @@ def test_dcp_block_aligned_state_across_world_sizes(runs):
 
 
 def test_dcp_dim0_state_loads_only_where_blocks_stay(runs):
-    """dim-0 W = 2 -> W = 4 raises naming the parameter; W = 2 -> one process is exact."""
-    refused = runs[4]["refused"]
-    assert refused is not None and REFUSAL in refused and "parameter 0" in refused, refused
+    """dim-0 W = 2 -> W = 4 raises naming the parameter (nested and flattened optimizer state
+    dicts); W = 2 -> one process is exact."""
+    for refused in runs[4]["refused"]:  # nested and flattened optimizer state dicts
+        assert refused is not None and REFUSAL in refused and "parameter 0" in refused, refused
     _assert_same(runs[1]["dim0_loaded"], runs[2]["dim0_saved"], "dim-0 W=2 loaded in one process")
 
 

@@ -43,7 +43,8 @@ quantize-or-fp32 choice, the load would change the state silently: training
 goes on from other moments than the saved run had. So ``state_dict()``
 records, per parameter, the *units* its state is kept in (runs of elements
 in fp32, or in blocks counted from a given element: ``state_units``) in
-each saved param group, under ``"fsdp2_state_units"``, and
+each param group, under ``"fsdp2_state_units"`` (the live groups hold it
+too, so that flattened optimizer state dicts carry it), and
 ``load_state_dict`` compares the saved units with this layout's before
 torch's load runs: the same units (any world size on block-aligned shards,
 and any dim-0 world sizes whose shards happen to keep the blocks) load;
@@ -164,12 +165,22 @@ def state_units(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Units 
     return tuple(units)
 
 
+def _refresh_units(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    """Each live param group holds its parameters' units too.
+
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
+    ``flatten_optimizer_state_dict=True`` (torchtitan's) carry only the keys a
+    live group has, so the entry must be one of them.
+    """
+    for group in optimizer.param_groups:
+        group[UNITS_KEY] = tuple(state_units(optimizer, p) for p in group["params"])
+
+
 def _save_units(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``state_dict()`` post-hook: each saved param group records its parameters' units."""
-    groups = []
-    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        units = tuple(state_units(optimizer, p) for p in group["params"])
-        groups.append({**saved, UNITS_KEY: units})
+    _refresh_units(optimizer)
+    groups = [{**saved, UNITS_KEY: group[UNITS_KEY]}
+              for group, saved in zip(optimizer.param_groups, state_dict["param_groups"])]
     return {**state_dict, "param_groups": groups}
 
 
@@ -229,6 +240,8 @@ def use_block_aligned_state(optimizer: torch.optim.Optimizer) -> None:
         return state.to(p.device)  # from_local moves to the mesh's device type (CPU offload)
 
     optimizer._new_buffer = new_buffer
+    _refresh_units(optimizer)
     optimizer.register_state_dict_post_hook(_save_units)
     optimizer.register_load_state_dict_pre_hook(_check_units)
+    optimizer.register_load_state_dict_post_hook(_refresh_units)  # the load set saved groups
     optimizer.__dict__[_ATTR] = True
