@@ -11,9 +11,10 @@ size, so that only the optimizer can differ):
   parameters) the state (codes, scales, fp32 values, step) and the
   parameters equal torchao's single-process step's to the bit at W = 1, 2
   and 4, for all three optimizers;
-- on dim-0 shards fsdp2 gives upstream's ``fully_shard``'s bits (W = 2, 4),
-  which at W = 4 are not the single-process ones (the shards fall under
-  torchao's 4,096-element threshold, so their state stays fp32);
+- on dim-0 shards fsdp2 gives upstream's ``fully_shard``'s bits (all three
+  optimizers, W = 2 and 4), which at W = 4 are not the single-process ones
+  (the shards fall under torchao's 4,096-element threshold, so their state
+  stays fp32);
 - DCP checkpoints of the block-aligned state go W = 2 -> W = 4 -> one process
   to the bit (``dcp`` with ``get/set_optimizer_state_dict``, and W = 2 -> 4
   through ``fsdp2.save_checkpoint`` / ``load_checkpoint``), and training goes
@@ -211,11 +212,13 @@ def _launch(rank: int, world_size: int, root: str) -> dict:
             out["saved"] = saved
     if world_size > 1:  # dim-0 shards, fsdp2's and upstream's
         for layout in ("dim0", "upstream"):
-            save = 2 if world_size == 2 and layout == "dim0" else None
-            model, optim, _, saved = _trained(layout, "AdamW8bit", save, f"{root}/dim02")
-            out[layout] = _snapshot(model, optim)
-            if saved is not None:
-                out["dim0_saved"] = saved
+            out[layout] = {}
+            for name in OPTIMIZERS:
+                save = 2 if (world_size, layout, name) == (2, "dim0", "AdamW8bit") else None
+                model, optim, _, saved = _trained(layout, name, save, f"{root}/dim02")
+                out[layout][name] = _snapshot(model, optim)
+                if saved is not None:
+                    out["dim0_saved"] = saved
     if world_size == 4:
         model, optim = _loaded("ragged", f"{root}/ragged2")
         out["loaded"] = _snapshot(model, optim)
@@ -272,16 +275,17 @@ def test_block_aligned_state_is_world_size_free(name, world_size, runs):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dim0_state_is_upstreams(world_size, runs):
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_dim0_state_is_upstreams(name, world_size, runs):
     """fsdp2's dim-0 shards give upstream's bits; at W = 4 not the single-process ones."""
-    run, want = runs[world_size], runs[1]["single"]["AdamW8bit"]
-    _assert_same(run["dim0"], run["upstream"], f"dim-0 against upstream, W={world_size}")
-    same = all(torch.equal(a, b) for a, b in zip(run["dim0"]["params"], want["params"]))
+    run, want = runs[world_size], runs[1]["single"][name]
+    got = run["dim0"][name]
+    _assert_same(got, run["upstream"][name], f"{name} on dim-0 against upstream, W={world_size}")
+    same = all(torch.equal(a, b) for a, b in zip(got["params"], want["params"]))
     if world_size == 4:  # 3,840-element shards: under torchao's threshold, fp32 state
-        assert _kinds(run["dim0"]) == {"fp32"} and not same
+        assert _kinds(got) == {"fp32"} and not same
     else:  # W = 2: shards of whole blocks over 4,096 elements: the single-process state
-        assert _kinds(run["dim0"]) == {"OptimState8bit"} and same
-        _assert_same(run["dim0"], want, "dim-0 W=2 against one process")
+        _assert_same(got, want, f"{name} on dim-0 W=2 against one process")
 
 
 def test_dcp_block_aligned_state_across_world_sizes(runs):
