@@ -22,9 +22,9 @@ size, so that only the optimizer can differ):
   dim-0 shards a load whose blocks moved raises, and one whose blocks did
   not (W = 2 -> one process) loads exactly.
 
-torchao compiles its step per parameter shape, so every case shares one
-model and one launch per world size (W = 2, then 4, then 1, the order the
-checkpoints go in); the launches return snapshots and the tests compare them.
+Every case shares one model and one launch per world size (W = 2, then 4,
+then 1, the order the checkpoints go in), torchao's step run eagerly (see
+``_launch``); the launches return snapshots and the tests compare them.
 """
 
 from __future__ import annotations
@@ -197,9 +197,20 @@ def _loaded(layout: str, path: str, options: StateDictOptions | None = None) -> 
 
 
 def _launch(rank: int, world_size: int, root: str) -> dict:
-    """Everything one world size runs; rank 0's snapshots come back.
+    """Everything one world size runs, torchao's compiled step run eagerly; rank 0's snapshots.
 
-    W = 2 saves the block-aligned and the dim-0 AdamW8bit runs after 2 steps;
+    torchao compiles its step per parameter shape (a C++ build each on the
+    CPU: minutes on a cold cache); ``force_eager`` runs the same ops, in
+    fsdp2 and in the single-process reference alike, so the comparisons hold
+    as they do compiled (the benchmark steps compiled; the compile-cache keys
+    of uneven shards are tests/test_torch_compat.py's).
+    """
+    with torch.compiler.set_stance("force_eager"):
+        return _launch_eager(rank, world_size, root)
+
+
+def _launch_eager(rank: int, world_size: int, root: str) -> dict:
+    """W = 2 saves the block-aligned and the dim-0 AdamW8bit runs after 2 steps;
     W = 4 loads the first, steps once and saves it again, and tries the
     second; one process loads both and steps once more.
     """
