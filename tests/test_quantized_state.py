@@ -228,6 +228,7 @@ def _launch_eager(rank: int, world_size: int, root: str) -> dict:
                 save = 2 if (world_size, layout, name) == (2, "dim0", "AdamW8bit") else None
                 model, optim, _, saved = _trained(layout, name, save, f"{root}/dim02")
                 out[layout][name] = _snapshot(model, optim)
+                out[f"{layout}_group_keys"] = set(optim.state_dict()["param_groups"][0])
                 if saved is not None:
                     out["dim0_saved"] = saved
     if world_size == 4:
@@ -252,6 +253,7 @@ def _launch_eager(rank: int, world_size: int, root: str) -> dict:
         for name in OPTIMIZERS:  # torchao's own single-process step
             model, optim, losses, _ = _trained("single", name)
             out["single"][name] = {**_snapshot(model, optim, alone=True), "losses": losses}
+            out["single_group_keys"] = set(optim.state_dict()["param_groups"][0])
             if name == "AdamW8bit":  # and one step more: the uninterrupted run
                 losses = losses + _train(model, optim, range(STEPS, STEPS + 1))
                 out["uninterrupted"] = {**_snapshot(model, optim, alone=True), "losses": losses}
@@ -319,3 +321,13 @@ def test_dcp_dim0_state_loads_only_where_blocks_stay(runs):
 
 
 REFUSAL = "loading it would requantize or dequantize it silently"
+
+
+def test_units_entry_only_on_fsdp2_models(runs):
+    """The units entry rides only on optimizers of fsdp2-sharded parameters: torchao over
+    upstream's fully_shard or a plain model keeps torchao's own state dict."""
+    from fsdp2.optim.quantized_state import UNITS_KEY
+
+    assert UNITS_KEY in runs[2]["dim0_group_keys"]
+    assert UNITS_KEY not in runs[2]["upstream_group_keys"]
+    assert UNITS_KEY not in runs[1]["single_group_keys"]

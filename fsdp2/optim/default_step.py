@@ -165,6 +165,13 @@ def _wholly_flat(group: dict) -> bool:
     )
 
 
+def _holds_fsdp2_params(optimizer: torch.optim.Optimizer) -> bool:
+    return any(
+        isinstance(p, DTensor) and flat_shard_of(p) is not None
+        for group in optimizer.param_groups for p in group["params"]
+    )
+
+
 def _pending_adoption(optimizer: torch.optim.Optimizer) -> bool:
     """Whether some parameter is fsdp2's, replaced since its group last adopted it.
 
@@ -185,8 +192,11 @@ def _on_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
         return  # traced as torch's own step; See [Note: Calls the engine steps aside for]
     current = optimizer.__dict__.get(_ATTR)
     if current is None:
-        if is_block_quantized(optimizer):  # torchao's low-bit state: not a flat step, its layout
-            use_block_aligned_state(optimizer)  # See [Note: Quantized state on block-aligned shards]
+        if is_block_quantized(optimizer) and _holds_fsdp2_params(optimizer):
+            # torchao's low-bit state: not a flat step, its layout; models sharded otherwise
+            # (upstream's, or none) keep torchao's own. See [Note: Quantized state on
+            # block-aligned shards]
+            use_block_aligned_state(optimizer)
         if not _default_enabled():
             return  # undecided: a later switch-on still applies
         if is_elementwise(optimizer) and any(_wholly_flat(g) for g in optimizer.param_groups):

@@ -30,7 +30,10 @@ codes, scales and parameters equal torchao's single-process step's at any
 ``W`` (``tests/test_quantized_state.py``).
 
 Parameters on any other placement (dim-0, a ragged placement that cuts
-blocks, replicated, not sharded) get the optimizer's own ``_new_buffer``.
+blocks, replicated, not sharded) get the optimizer's own ``_new_buffer``; an
+optimizer holding no fsdp2-sharded parameter (over upstream's
+``fully_shard``, or a plain model) is left as torchao made it
+(``default_step.py`` attaches only where fsdp2 shards).
 
 [Note: Loading quantized state at another world size]
 DCP reshards a checkpoint by copying each saved chunk's rows into the rows
