@@ -266,11 +266,12 @@ CASES.update(
 )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_flat_step_bit_identical(world_size, case, launch_cases):
     """The flat step equals the unsharded and the DTensor step bitwise; state unchanged."""
-    # every case in one launch per world size: at W=4 on 2 cores that is minutes, not seconds
+    # every case in one launch per world size; W = 3 shards unevenly, and the empty shards
+    # of W = 4 are the optimizer zoo's (tests/test_optimizer_zoo.py), which keeps CI's time
     check_case(launch_cases(world_size, CASES, timeout=max(DEFAULT_TIMEOUT_S, 600)), case)
 
 
