@@ -382,8 +382,10 @@ class GradientReduction:
                     self._call_all_reduce_hook(output)
             if plan.post_factor is not None:  # once, after both groups (HSDP) summed
                 output.div_(plan.post_factor)
-            blocks = self.order.shard_blocks(output, fsdp_params)
-            unused = _unused_everywhere(blocks, fsdp_params, filled) if filled else ()
+            unused = (
+                _unused_everywhere(self.order.shard_blocks(output, fsdp_params), fsdp_params, filled)
+                if filled else ()
+            )
             output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
             for p, local in zip(fsdp_params, self.order.sharded_grads(output, fsdp_params)):
                 if p not in unused:
