@@ -97,6 +97,18 @@ def version_counters(tensors: list[torch.Tensor]) -> list[int]:
 _VERSION = operator.attrgetter("_version")
 
 
+def storage_shared(t: torch.Tensor) -> bool:
+    """Whether some tensor (or storage object) other than ``t`` uses ``t``'s storage.
+
+    Wraps ``torch._C._storage_Use_Count`` (torch 2.1 - 2.15; checked on 2.13
+    and 2.15): the C++ reference count of the storage, counting each tensor
+    (not each Python reference) that uses it and the temporary storage object
+    this call makes. No public API tells whether a tensor's memory is also
+    reached through another tensor.
+    """
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` is a view of (views of views included), or ``None``.
 

@@ -78,13 +78,14 @@ def _stock_loop_matches_upstream(rank, world_size):
         _loop((ours, theirs), opts, rank, world_size, 3, scheds=scheds)
     finally:
         adam_module._multi_tensor_adam = real
-    assert len(cpp_loops) == 3 * len(opts[0].param_groups), len(cpp_loops)
+    # the first step is torch's own (See [Note: The flat step by default]): two flat ones
+    assert len(cpp_loops) == 2 * len(opts[0].param_groups), len(cpp_loops)
     assert all(g["foreach"] is None for o in opts for g in o.param_groups)  # the user's, back
     engine = flat_step_engine(opts[0])
     assert engine is not None, "the default engine must attach at the first step"
     runs = engine.runs()
     assert runs and sum(len(r.params) for r in runs) == len(list(ours.parameters()))
-    assert all(r.flat_steps == 3 for r in runs), [r.flat_steps for r in runs]
+    assert all(r.flat_steps == 2 for r in runs), [r.flat_steps for r in runs]
     assert flat_step_engine(opts[1]) is None  # upstream's parameters: torch's own step
     assert_same_optimizer_state(opts[0], opts[1])
 
@@ -173,10 +174,67 @@ def _zero_grad_flat(rank, world_size):
         del grads
 
 
+def _held_state_stays_live(rank, world_size):
+    """What a caller holds after a load (state dict, DCP dict, a tensor, a slice) moves with every step."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    for ragged in (False, True):
+        kw = {"shard_placement_fn": lambda p: fsdp2.RaggedShard()} if ragged else {}
+        ours, theirs = _sharded_pair(lambda m, fs: shard_transformer(
+            m, fs, mesh=cpu_mesh(), **(kw if fs is fsdp2.fully_shard else {})))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+        _loop((ours, theirs), opts, rank, world_size, 1)
+        for o in opts:
+            o.load_state_dict(o.state_dict())
+        held = [o.state_dict() for o in opts]
+        dcp_held = [get_optimizer_state_dict(m, o) for m, o in zip((ours, theirs), opts)]
+        tensors = [o.state[next(iter(m.parameters()))]["exp_avg"] for m, o in zip((ours, theirs), opts)]
+        # a state the user put there: one tensor a slice of a larger one (stepped in place)
+        big = [torch.zeros(2 * full(t).numel()) for t in tensors]
+        for o, m, b in zip(opts, (ours, theirs), big):
+            p = list(m.parameters())[1]
+            local = o.state[p]["exp_avg_sq"].to_local()
+            b[: local.numel()].copy_(local.reshape(-1))
+            o.state[p]["exp_avg_sq"] = DTensor.from_local(
+                b[: local.numel()].view(local.shape), p.device_mesh, p.placements,
+                shape=p.shape, stride=p.stride())
+        _loop((ours, theirs), opts, rank, world_size, 3, first=1)
+        assert flat_step_engine(opts[0]) is not None
+        for i, (a, b) in enumerate(zip(*(h["state"] for h in held))):
+            for key in held[1]["state"][b]:
+                assert torch.equal(full(held[0]["state"][a][key]), full(held[1]["state"][b][key])), (
+                    ragged, i, key)
+        assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
+        for key in dcp_held[1]["state"]:
+            for k, v in dcp_held[1]["state"][key].items():
+                assert torch.equal(full(dcp_held[0]["state"][key][k]), full(v)), (ragged, key, k)
+        assert torch.equal(full(tensors[0]), full(tensors[1]))
+        assert not torch.equal(big[1], torch.zeros_like(big[1]))  # upstream stepped the slice
+        assert torch.equal(big[0], big[1]) or ragged  # (ragged: another local layout)
+
+
+def _nesterov_leaves_grads(rank, world_size):
+    """SGD with nesterov momentum: p.grad after step() is what backward wrote, as upstream's."""
+    ours, theirs = _sharded_pair(lambda m, fs: shard_transformer(m, fs, mesh=cpu_mesh()))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+            for m in (ours, theirs)]
+    for step in range(3):
+        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
+        for m, o in zip((ours, theirs), opts):
+            loss_of(m, batch).backward()  # accumulated: no zero_grad
+            o.step()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"step {step}: grads differ"
+            assert torch.equal(p.to_local(), q.to_local()), f"step {step}: parameters differ"
+    assert flat_step_engine(opts[0]) is not None
+
+
 CASES = {  # no switch: the default as installed
     "stock-loop-matches-upstream": _stock_loop_matches_upstream,
     "state-and-edits": _state_and_edits,
     "zero-grad-flat": _zero_grad_flat,
+    "held-state-stays-live": _held_state_stays_live,
+    "nesterov-leaves-grads": _nesterov_leaves_grads,
 }
 
 

@@ -25,6 +25,7 @@ PRIVATE_SYMBOLS = [
     ("torch._C", "_disabled_torch_function_impl"),
     ("torch", "Tensor._base"),
     ("torch", "Tensor._version"),
+    ("torch", "_C._storage_Use_Count"),
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C", "_current_graph_task_id"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
@@ -131,3 +132,15 @@ def test_cache_keys_see_local_tensors() -> None:
         assert key(3) == key(3)  # stable: the cache still hits
     finally:
         dist.destroy_process_group()
+
+
+def test_storage_shared_counts_tensors() -> None:
+    """storage_shared: a tensor alone on its storage is not shared; a second view makes it so."""
+    from fsdp2._torch_compat import storage_shared
+
+    t = torch.zeros(4)
+    assert not storage_shared(t)
+    v = t.view(2, 2)
+    assert storage_shared(t) and storage_shared(v)
+    del v
+    assert not storage_shared(t)

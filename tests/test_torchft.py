@@ -149,10 +149,67 @@ def _heals(transport: str):
     return case
 
 
-_CASES = {"pg": _heals("pg"), "http": _heals("http")}
+def _cached_heals(shard) -> list[torch.Tensor]:
+    """torchtitan's fault-tolerance flow: each group heals from the other's *cached* state dict.
+
+    As torchtitan's FT optimizer container does, every replica group takes
+    ``get_state_dict`` once after init and again after each load, and serves
+    that cached dict: only the optimizer updating the very tensors it holds
+    (in place) keeps it current. Group 1 is killed after step 3 and heals from
+    group 0 at step 6 (PG transport, received in place into its own cached
+    dict, then ``set_state_dict``); group 0 is killed at step 8 and heals from
+    group 1's cache, taken right after group 1's load. Returns the final
+    parameters (local shards).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    replica = mesh.get_local_rank("replica")
+    group = mesh.get_group("replica")
+
+    def start(seed: int):
+        model, opt = _replica(shard, mesh, seed=seed)
+        model_sd, optim_sd = get_state_dict(model, opt)  # initializes the state (a zero step)
+        return model, opt, {"model": model_sd, "optim": optim_sd}
+
+    model, opt, cache = start(seed=0)
+    done = STEP  # steps the live group has taken
+    _train_whole_batches(model, opt, range(done))
+    for killed, step in ((1, 6), (0, 8)):
+        if replica == killed:  # restarted: another seed, a fresh optimizer and cache
+            model, opt, cache = start(seed=7)
+        else:
+            _train_whole_batches(model, opt, range(done, step))
+        ft = PGTransport(group, TIMEOUT, torch.device("cpu"), state_dict=lambda: cache)
+        if replica == killed:
+            healed = ft.recv_checkpoint(1 - killed, "<n/a>", step, TIMEOUT)
+            set_state_dict(model, opt, model_state_dict=healed["model"],
+                           optim_state_dict=healed["optim"])
+            model_sd, optim_sd = get_state_dict(model, opt)  # cached again after the load
+            cache = {"model": model_sd, "optim": optim_sd}
+        else:
+            ft.send_checkpoint([killed], step, cache, TIMEOUT)
+        _train_whole_batches(model, opt, range(step, step + 2))
+        done = step + 2
+    gathered = [None, None]
+    dist.all_gather_object(gathered, _locals(model), group=group)
+    for i, (a, b) in enumerate(zip(*gathered)):
+        assert torch.equal(a, b), f"parameter {i}: the replica groups differ after healing"
+    return _locals(model)
+
+
+def _cached(rank: int, world_size: int) -> None:
+    ours = _cached_heals(fully_shard)
+    theirs = _cached_heals(upstream.fully_shard)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), f"parameter {i}: differs from upstream's healed run"
+
+
+_CASES = {"pg": _heals("pg"), "http": _heals("http"), "cached-state-dict": _cached}
 
 
 @pytest.mark.parametrize("transport", list(_CASES))
 def test_torchft_heals_replica_group(transport: str, launch_cases) -> None:
-    """A killed replica group heals through torchft's transport, carrying upstream's bytes."""
+    """A killed replica group heals through torchft's transport, carrying upstream's bytes;
+    healed from a cached state dict, both groups end bitwise equal and equal to upstream."""
     check_case(launch_cases(4, _CASES, timeout=180), transport)

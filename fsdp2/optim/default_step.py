@@ -12,7 +12,12 @@ subclass) and at least one param group holds only parameters in fsdp2 flat
 buffers, it attaches a ``StepEngine`` in ``flat_groups_only`` mode with its own
 pre- and post-hook on that optimizer. torch iterates the optimizer's own hooks
 after the global ones, so the engine's pre-hook already runs in that first
-step. Anything else (other optimizers, parameters sharded by upstream's
+step, and lets the optimizer step the DTensors itself that once: the engine
+wraps ``optimizer.step`` so that a step that raises gives the groups their
+parameters back at once (``StepEngine.wrap_step``), and the step already
+running cannot be wrapped. The runs adopt the state that first step made at
+the second (see [Note: The state a caller holds is the state] in
+state_views.py). Anything else (other optimizers, parameters sharded by upstream's
 ``fully_shard`` or not sharded, groups that mix them) steps as the optimizer
 would without fsdp2, and costs one dictionary look-up per step.
 
@@ -85,6 +90,8 @@ class DefaultStep:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.engine = StepEngine(optimizer, flat_buffers=True, flat_groups_only=True)
         self._stepping = False
+        # the step that attaches the engine is torch's own: see [Note: The flat step by default]
+        self._first = True
         self._hooks: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self.before_step),
             optimizer.register_step_post_hook(self.after_step),
@@ -94,6 +101,7 @@ class DefaultStep:
             optimizer.register_load_state_dict_pre_hook(self.engine.recover),
         ]
         self._unwrap_zero_grad = self.engine.wrap_zero_grad()
+        self._unwrap_step = self.engine.wrap_step()  # a step that raises: see StepEngine.wrap_step
 
     def keep_innermost(self, optimizer: torch.optim.Optimizer) -> None:
         keep_step_hooks_innermost(optimizer, self._hooks[0].id, self._hooks[1].id)
@@ -101,6 +109,9 @@ class DefaultStep:
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
             return  # traced as torch's own step; See [Note: Calls the engine steps aside for]
+        if self._first:
+            self._first = False
+            return
         if _default_on is False:
             self.engine.recover()
             self.engine.forget_runs()  # the optimizer steps the DTensors; see the note
@@ -118,6 +129,7 @@ class DefaultStep:
             hook.remove()
         self._hooks = []
         self._unwrap_zero_grad()
+        self._unwrap_step()
 
 
 def set_flat_step_default(enabled: bool) -> None:

@@ -98,7 +98,7 @@ from .._torch_compat import (
 )
 from ..runtime.storage.flat_shard import flat_slot_of
 from ..runtime.storage.shard_storage import can_own_storage, own_storage
-from .state_views import publish
+from .state_views import adoptable, local_of, publish
 
 # CPU: the largest tensor handed to the optimizer; see the note above.
 PIECE_NUMEL = 1 << 18
@@ -224,6 +224,8 @@ class FlatRun:
             return True
         if not all(per_param) or len({tuple(s) for s in per_param}) != 1:
             return False
+        if not self._adoptable(per_param):
+            return False
         built: dict[Any, Any] = {}
         for key in per_param[0]:
             values = [s[key] for s in per_param]
@@ -247,6 +249,34 @@ class FlatRun:
         self._set_state(built, None)
         self._publish(state)
         return True
+
+    def _adoptable(self, per_param: list[dict]) -> bool:
+        """Whether every state tensor held for the run can move into its buffers in place.
+
+        See [Note: The state a caller holds is the state] in state_views.py: the
+        rebuilt run's buffers take the held tensors' values and the held
+        tensors then point into them. Each must be a tensor of its own (see
+        ``adoptable``), one dtype per key; otherwise the parameters step one by
+        one on the held tensors.
+        """
+        seen: set[int] = set()
+        for key, first in per_param[0].items():
+            if not isinstance(first, torch.Tensor):
+                continue
+            scalar = first.dim() == 0
+            device = first.device if scalar else self.flat.device
+            for values in per_param:
+                value = values[key]
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or (value.dim() == 0) != scalar
+                    or value.dtype != first.dtype
+                    or not adoptable(value, device)
+                ):
+                    return False
+                seen.add(id(local_of(value)))
+        tensors = sum(isinstance(v, torch.Tensor) for v in per_param[0].values())
+        return len(seen) == tensors * len(per_param)
 
     def forget(self) -> None:
         """These parameters stepped one by one: rebuild the run from their state next time."""

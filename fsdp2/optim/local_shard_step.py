@@ -39,6 +39,7 @@ class LocalShardStepHandle:
         self._hooks = hooks
         in_place = not engine.tier.in_units and engine.replicas is None
         self._unwrap_zero_grad = engine.wrap_zero_grad() if in_place else None
+        self._unwrap_step = engine.wrap_step()
 
     def wait_for_parameters(self) -> None:
         """``shard_across_replicas``: finish the post-step all-gathers; parameters are current."""
@@ -69,6 +70,7 @@ class LocalShardStepHandle:
         if self._unwrap_zero_grad is not None:
             self._unwrap_zero_grad()
             self._unwrap_zero_grad = None
+        self._unwrap_step()
 
 
 def enable_local_shard_step(

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -149,6 +150,7 @@ class StepEngine:
             groups = optimizer.param_groups
             plans = [self.plan_of(g) for g in groups]
             self.units = plan_units(optimizer, plans, offload.unit_bytes, self.copies)
+        self._planned = [tuple(map(id, g["params"])) for g in optimizer.param_groups]
         self.tier = open_tier(offload, [u.layout for u in self.units])
         self._swapped: list[_Swapped] = []
         self._held: list[list[Any]] = []
@@ -438,6 +440,41 @@ class StepEngine:
 
         return unwrap
 
+    def wrap_step(self) -> Callable[[], None]:
+        """Route ``optimizer.step`` through a guard that recovers a step that raised; returns the undo.
+
+        torch runs no post-hook when a step raises, so the stand-ins the
+        pre-hook swapped in would stay in ``optimizer.param_groups`` and
+        ``optimizer.state`` until the next call that reads them (``recover``).
+        A caller that catches the exception (a skipped batch after an OOM)
+        and looks at the optimizer must see what upstream leaves: its
+        parameters. An instance attribute, a bound method as torch's LR
+        schedulers expect (they wrap ``optimizer.step`` the same way); never
+        pickled (``Optimizer.__getstate__``).
+        """
+        optimizer = self.optimizer
+        own = optimizer.__dict__.get("step")  # a scheduler's wrapper, or None: the class's
+        inner = optimizer.step
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except BaseException:
+                self.recover()
+                raise
+
+        bound = types.MethodType(step, optimizer)
+        optimizer.step = bound
+
+        def unwrap() -> None:
+            if optimizer.__dict__.get("step") is bound:
+                if own is None:
+                    del optimizer.__dict__["step"]
+                else:
+                    optimizer.step = own
+
+        return unwrap
+
     # ---- in a store: unit by unit ---------------------------------------------------
 
     def _step_units(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -448,6 +485,14 @@ class StepEngine:
                 f"{self._half_stepped} of {len(self.units)} ({self._failure}), so some units "
                 "stepped and others did not; load a checkpoint (model and optimizer) before "
                 "stepping again"
+            )
+        # the units hold the state of the parameters planned at enable time, no others
+        if self._planned != [tuple(map(id, g["params"])) for g in optimizer.param_groups]:
+            raise ValueError(
+                f"{type(optimizer).__name__}'s parameters changed after "
+                "enable_local_shard_step(offload=...) planned where their state lives (a param "
+                "group added, or a group's parameter list edited): call remove() on its handle "
+                "and enable_local_shard_step again, or add the param groups before enabling it"
             )
         state, tier = optimizer.state, self.tier
         disk = isinstance(tier, DiskStore)

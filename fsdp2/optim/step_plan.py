@@ -65,6 +65,11 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 # The group shows the user's value again after the step. Checked on torch
 # 2.13 and 2.15 (test_flat_step.py compares each optimizer, with and without
 # ``foreach=True``, bit for bit with the unsharded and the DTensor step).
+# One side effect differs: SGD's foreach path with nesterov momentum (and no
+# weight decay, no maximize) adds the momentum into the gradients in place,
+# where the per-tensor loop leaves ``p.grad`` as autograd wrote it. Such a
+# group keeps the loop its user chose (``_foreach_writes_grads``; the
+# differential test, test_call_sequences.py, compares ``.grad`` after every step).
 SAME_BITS_FOREACH_ON_CPU: tuple[type, ...] = tuple(
     c for c in ELEMENTWISE_OPTIMIZERS if c not in (torch.optim.NAdam, torch.optim.RAdam)
 )
@@ -85,6 +90,8 @@ def cpu_loop_choice(
         return None
     if group.get("fused") or group.get("differentiable") or group.get("capturable"):
         return None
+    if _foreach_writes_grads(optimizer, group):
+        return None
     small = sum(t.numel() for t in tensors) < CPP_LOOP_MEAN_NUMEL * len(tensors)
     if small == bool(asked) or any(t.device.type != "cpu" for t in tensors):
         return None
@@ -95,6 +102,17 @@ def cpu_loop_choice(
         ):
             return None
     return small
+
+
+def _foreach_writes_grads(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether ``group``'s foreach step writes into its gradients (see [Note: The C++ loop on CPU])."""
+    return (
+        type(optimizer) is torch.optim.SGD
+        and bool(group.get("nesterov"))
+        and group.get("momentum", 0) != 0
+        and group.get("weight_decay", 0) == 0
+        and not group.get("maximize", False)
+    )
 
 
 PARAM_COPY = "__param__"  # a unit's host copy of a device parameter (host tier)

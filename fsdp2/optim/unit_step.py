@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..runtime.storage.shard_storage import own_storage
 from .state_views import local_of, publish
 from .step_plan import PARAM_COPY, Unit, ctor_args
 
@@ -87,14 +88,16 @@ def step_unit(
     step.state.update(sub_state)
     step.step()
     for i, p, local, work in params:
-        new = step.state[work]
-        for k in unit.keys[i]:
+        new = step.state.get(work)
+        for k in unit.keys[i] if new else ():
             if new[k] is not views[(i, k)]:  # created by this step: move it into the tier
                 created = True
                 if hold is not None:
                     hold(new[k])
                 views[(i, k)].copy_(new[k])
-        state[p] = {k: (views[(i, k)] if k in unit.keys[i] else v) for k, v in new.items()}
+        if new:  # (a stateless step, SGD without momentum, makes no entry: as torch's)
+            values = {k: (_own(views[(i, k)]) if k in unit.keys[i] else v) for k, v in new.items()}
+            publish(state, p, values, adopt=False)
         work.grad = None
         if copies:
             local.copy_(work, non_blocking=True)
@@ -110,8 +113,18 @@ def keep(unit: Unit, views: dict, state: dict) -> None:
     for i, p in enumerate(unit.params):
         if p in state:
             publish(state, p, {
-                k: views[(i, k)] if k in unit.keys[i] else v for k, v in state[p].items()
-            })
+                k: _own(views[(i, k)]) if k in unit.keys[i] else v for k, v in state[p].items()
+            }, adopt=False)
+
+
+def _own(view: torch.Tensor) -> torch.Tensor:
+    """A tier's view through a storage of its own (offset 0), as a plain step's state has.
+
+    ``torch.save`` of a DTensor whose local tensor starts inside a larger
+    storage (a unit's region) fails ("invalid python storage"), and would
+    write the whole region for each tensor anyway.
+    """
+    return own_storage(view.reshape(-1)).view(view.shape)
 
 
 @torch.no_grad()

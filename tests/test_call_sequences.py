@@ -1,0 +1,102 @@
+"""fsdp2 against upstream's ``fully_shard`` through seeded random call sequences.
+
+Each case runs fixed seeds of ``call_sequences.run_sequence`` (the harness:
+what a user calls, and what a user can observe compared after every call);
+``FSDP2_CALL_SEQUENCES=N`` runs N seeds per case instead (thousands: a
+search, not a CI run). A divergence fails with the seed and the calls that
+led to it, so it replays. ``test_finds_known_bugs`` puts back bugs fsdp2 once
+had (``mutants.py``) and asserts the sequences find each (``FSDP2_CALL_SEQUENCES``
+turns that into the search from seed 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from _impl import IMPL
+from checks import check_case
+
+pytestmark = pytest.mark.skipif(IMPL == "torch", reason="compares fsdp2 with upstream itself")
+
+_EXTRA = int(os.environ.get("FSDP2_CALL_SEQUENCES", "0"))
+_FIRST = int(os.environ.get("FSDP2_CALL_SEQUENCES_FROM", "0"))
+
+
+def _seeds(ci: int) -> range:
+    return range(_FIRST, _FIRST + (_EXTRA or ci))
+
+
+def _sequences(ci_seeds: int, **options):
+    def case(rank: int, world_size: int) -> None:
+        from call_sequences import run_sequence
+
+        found = []
+        for seed in _seeds(ci_seeds):
+            report = run_sequence(seed, rank, world_size, **options)
+            if report is not None:
+                found.append(report)
+                if not _EXTRA:
+                    break
+        assert not found, "\n\n".join(found[:5]) + f"\n({len(found)} divergent sequences)"
+
+    return case
+
+
+# (world size, cases): dim-0 groups at W=2 and 3 (uneven and empty shards), parameter-major
+# groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers.
+CASES = {
+    2: {
+        "dim0": _sequences(5),
+        "ragged": _sequences(3, ragged=True),
+        "host-tier": _sequences(2, tier="host"),
+        "nvme-tier": _sequences(2, tier="nvme"),
+    },
+    3: {"dim0": _sequences(2)},
+}
+
+
+@pytest.mark.parametrize(
+    "world_size, case", [(w, c) for w, cases in CASES.items() for c in cases]
+)
+def test_call_sequences_match_upstream(world_size, case, launch_cases):
+    """After every call of a random sequence, fsdp2 shows what upstream shows, to the bit."""
+    check_case(launch_cases(world_size, CASES[world_size], timeout=600), case)
+
+
+def _finds(mutant: str, first: int, **options):
+    """The sequences find ``mutant``: at seed ``first``, where a search from seed 0 first did.
+
+    With ``FSDP2_CALL_SEQUENCES=N``, the search itself: seeds 0 to N-1, until one finds it.
+    Either way the finding seed must be clean without the bug.
+    """
+
+    def case(rank: int, world_size: int) -> None:
+        from call_sequences import run_sequence
+        from mutants import MUTANTS
+
+        for seed in range(_EXTRA) if _EXTRA else [first]:
+            with MUTANTS[mutant]():
+                found = run_sequence(seed, rank, world_size, **options)
+            if found is not None:  # the same calls without the bug: no divergence
+                assert run_sequence(seed, rank, world_size, **options) is None, found
+                return
+        raise AssertionError(f"the sequences did not find {mutant!r}")
+
+    return case
+
+
+# (mutant, the first seed of a search from 0 that finds it, where its bug lives)
+KNOWN_BUGS = {
+    "new-state-objects": _finds("new-state-objects", 5),
+    "nesterov-writes-grads": _finds("nesterov-writes-grads", 11, optimizer="SGD"),
+    "fused-tail": _finds("fused-tail", 0, optimizer="Adam"),
+    "offloaded-closure": _finds("offloaded-closure", 0, tier="nvme"),
+    "compiled-step-swapped": _finds("compiled-step-swapped", 8),
+}
+
+
+@pytest.mark.parametrize("mutant", list(KNOWN_BUGS))
+def test_finds_known_bugs(mutant, launch_cases):
+    """Each bug fsdp2 once had, put back, is found by a few random sequences."""
+    check_case(launch_cases(2, KNOWN_BUGS, key="mutants", timeout=600), mutant)
