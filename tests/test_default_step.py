@@ -180,7 +180,7 @@ def _held_state_stays_live(rank, world_size):
 
     for ragged in (False, True):
         kw = {"shard_placement_fn": lambda p: fsdp2.RaggedShard()} if ragged else {}
-        ours, theirs = _sharded_pair(lambda m, fs: shard_transformer(
+        ours, theirs = _sharded_pair(lambda m, fs, kw=kw: shard_transformer(
             m, fs, mesh=cpu_mesh(), **(kw if fs is fsdp2.fully_shard else {})))
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
         _loop((ours, theirs), opts, rank, world_size, 1)

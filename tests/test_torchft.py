@@ -180,7 +180,7 @@ def _cached_heals(shard) -> list[torch.Tensor]:
             model, opt, cache = start(seed=7)
         else:
             _train_whole_batches(model, opt, range(done, step))
-        ft = PGTransport(group, TIMEOUT, torch.device("cpu"), state_dict=lambda: cache)
+        ft = PGTransport(group, TIMEOUT, torch.device("cpu"), state_dict=lambda cache=cache: cache)
         if replica == killed:
             healed = ft.recv_checkpoint(1 - killed, "<n/a>", step, TIMEOUT)
             set_state_dict(model, opt, model_state_dict=healed["model"],
