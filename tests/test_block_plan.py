@@ -19,6 +19,8 @@ from fsdp2.plan.layouts import config_groups, layout_rows, module_groups
 from fsdp2.plan.workload import load_hf_config, select_groups
 from fsdp2.runtime.storage.block_plan import Piece, blocks_of, chunk_padding, plan_blocks
 
+pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
+
 GRANULARITIES = ["rows", "whole", 2, 3, (2, 2), (1, 3)]
 
 

@@ -23,6 +23,8 @@ from _multiproc import run_ranks
 from fsdp2.agree import agree
 from fsdp2.claim_file import ClaimFile, OwnerStatus, owner_status, start_time
 
+pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
+
 
 def _record(pid, **extra):
     return {"host": socket.gethostname(), "pid": pid, "started": start_time(pid), **extra}

@@ -12,6 +12,10 @@ import os
 import re
 import subprocess
 
+import pytest
+
+pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Built from parts so that this file does not contain the string it looks for.
 OUTSIDE_NOTES = "/".join(["..", "shared"])

@@ -21,7 +21,8 @@ from _impl import fsdp2_only
 from _multiproc import run_ranks
 from guide_blocks import DOCS, ROOT, check_fences, python_blocks, run_page
 
-pytestmark = fsdp2_only  # the guide's snippets import fsdp2 itself
+# the guide's snippets import fsdp2 itself; examples of the API, run once per CI run
+pytestmark = [fsdp2_only, pytest.mark.torch_independent]
 
 # page -> world size of its launch
 PAGES = {

@@ -13,6 +13,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
+
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
 
 # Top to bottom; a unit is a subpackage or a top-level module of fsdp2.

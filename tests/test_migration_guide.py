@@ -21,7 +21,8 @@ from models import Block, build_transformer, rank_slice, transformer_batch, tran
 
 import fsdp2
 
-pytestmark = fsdp2_only  # the guide's snippets import fsdp2 itself
+# the guide's snippets import fsdp2 itself; examples of the API, run once per CI run
+pytestmark = [fsdp2_only, pytest.mark.torch_independent]
 
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "docs", "migrating-from-fsdp1.md")

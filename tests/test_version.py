@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import fsdp2
+
+pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
 
 ROOT = Path(__file__).resolve().parent.parent
 
