@@ -74,7 +74,10 @@ def _child(
                 device_id=device,
             )
         else:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size,
+                pg_options=_oversubscribed(rank, world_size),
+            )
         result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -95,6 +98,26 @@ def _child(
         except BaseException:  # noqa: BLE001
             pass
         os._exit(code)
+
+
+def _oversubscribed(rank: int, world_size: int) -> Any:
+    """More ranks than cores (W = 3 or 4 on 2): pin each rank to a core, one gloo thread.
+
+    Unpinned, the ranks migrate between the cores at every handoff to gloo's
+    worker threads (``futex``), and system time grew to half the CPU time: a
+    W = 4 optimizer-zoo launch took 45 s, 31 s pinned with one gloo thread
+    (W = 3: 46 s, 36 s; W = 2, not oversubscribed: unchanged, so left alone).
+    Returns the gloo options for ``init_process_group`` (``None``: the default).
+    """
+    import torch.distributed as dist
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cores or world_size <= len(cores):
+        return None
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    options = dist.ProcessGroupGloo._Options()  # private in torch; tests only
+    options._threads = 1
+    return options
 
 
 _PRELOADED = False
