@@ -47,10 +47,10 @@ def _sequences(ci_seeds: int, **options):
 # groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers.
 CASES = {
     2: {
-        "dim0": _sequences(5),
-        "ragged": _sequences(3, ragged=True),
-        "host-tier": _sequences(2, tier="host"),
-        "nvme-tier": _sequences(2, tier="nvme"),
+        "dim0": _sequences(4),
+        "ragged": _sequences(2, ragged=True),
+        "host-tier": _sequences(1, tier="host"),
+        "nvme-tier": _sequences(1, tier="nvme"),
     },
     3: {"dim0": _sequences(2)},
 }

@@ -85,9 +85,9 @@ def _compiled_steps(backend: str, rank: int, world_size: int, ragged: bool = Fal
     assert all(r.flat_steps == 2 for r in engine.runs()), [r.flat_steps for r in engine.runs()]
 
 
-def _step_inside_compiled_function(rank, world_size):
+def _step_inside_compiled_function(rank, world_size, ragged=False):
     torch._dynamo.reset()
-    ours, theirs = _pair()
+    ours, theirs = _pair(ragged)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
 
     def train_step(model, opt, batch):
@@ -100,7 +100,7 @@ def _step_inside_compiled_function(rank, world_size):
         for m, o in zip((ours, theirs), opts):
             compiled(m, o, _batch(step, rank, world_size))
         _assert_equal(ours, theirs, f"step {step}")
-    assert_same_optimizer_state(opts[0], opts[1])
+    assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
 
 
 def _compiled_model_keeps_the_flat_step(rank, world_size):
@@ -124,7 +124,10 @@ CASES = {
     "compiled-model-eager-step": _compiled_model_keeps_the_flat_step,
 }
 # The parameter-major layout (RaggedShard): the compiled step is torch's own on its DTensors
-RAGGED = {"compiled-step": _compiled_steps_between_eager_ones("eager", ragged=True)}
+RAGGED = {
+    "compiled-step": _compiled_steps_between_eager_ones("eager", ragged=True),
+    "step-inside-a-function": lambda rank, ws: _step_inside_compiled_function(rank, ws, True),
+}
 INDUCTOR = {"compiled-step-default-backend": _compiled_steps_between_eager_ones("inductor")}
 
 
