@@ -77,11 +77,8 @@ CALLS = {
     "load_saved_state_dict": 1, "dcp_roundtrip": 1, "dcp_checkpoint": 1, "add_param_group": 1,
     "edit_hyperparameters": 2, "freeze": 1, "unfreeze": 1, "closure_step": 1,
     "compiled_step": 1, "raising_step": 1, "scheduler_step": 1, "scale_grads": 1,
+    "write_state_in_place": 1, "assign_state": 1,
 }
-
-
-class Divergence(AssertionError):
-    """fsdp2 and upstream differ after a call."""
 
 
 @dataclass
@@ -299,6 +296,24 @@ class Sequence:
         if tensors:
             side.held_tensors.append(tensors[int(arg * len(tensors))])
             del side.held_tensors[:-4]
+
+    def _state_tensor(self, side: Side, arg: float) -> tuple[dict, str] | None:
+        """A (per-parameter state dict, key) holding a parameter-shaped tensor, or None."""
+        found = [(s, k) for s in side.opt.state.values() for k, v in s.items()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return found[int(arg * len(found))] if found else None
+
+    def write_state_in_place(self, side: Side, arg: float) -> None:
+        """A transport receiving into the state, or a user's ``mul_``: written in place."""
+        found = self._state_tensor(side, arg)
+        if found is not None:
+            found[0][found[1]].mul_(0.5)
+
+    def assign_state(self, side: Side, arg: float) -> None:
+        """A user replaces a state tensor by a new one (the optimizer must step that one)."""
+        found = self._state_tensor(side, arg)
+        if found is not None:
+            found[0][found[1]] = found[0][found[1]].clone()
 
     def load_own_state_dict(self, side: Side, arg: float) -> None:
         side.opt.load_state_dict(side.opt.state_dict())

@@ -90,9 +90,9 @@ def _finds(mutant: str, first: int, **options):
 KNOWN_BUGS = {
     "new-state-objects": _finds("new-state-objects", 5),
     "nesterov-writes-grads": _finds("nesterov-writes-grads", 11, optimizer="SGD"),
-    "fused-tail": _finds("fused-tail", 0, optimizer="Adam"),
-    "offloaded-closure": _finds("offloaded-closure", 0, tier="nvme"),
-    "compiled-step-swapped": _finds("compiled-step-swapped", 8),
+    "fused-tail": _finds("fused-tail", 14, optimizer="Adam"),
+    "offloaded-closure": _finds("offloaded-closure", 1, tier="nvme"),
+    "compiled-step-swapped": _finds("compiled-step-swapped", 4),
 }
 
 
