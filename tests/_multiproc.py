@@ -10,7 +10,10 @@ Usage (``_body`` must be a module-level function; it is inherited through
         run_ranks(_body, 2, extra)
 
 Every rank runs ``fn(rank, world_size, *args)`` inside an initialized default
-process group: gloo, or with ``backend="nccl"`` NCCL for CUDA tensors (gloo for
+process group: by default the suite's shared-memory backend
+(``tests/_shm_backend.py``: gloo's results without gloo's wake-ups, which cost
+0.6-1.6 ms a collective on a small VM); gloo with ``backend="gloo"`` or
+``FSDP2_TEST_BACKEND=gloo``; or with ``backend="nccl"`` NCCL for CUDA tensors (gloo for
 CPU ones) with rank ``r`` on GPU ``r``. NCCL ranks start with ``spawn`` (CUDA
 does not survive ``fork``), so ``fn`` and ``args`` must then be picklable
 (module-level functions, ``functools.partial`` of them). The return values of
@@ -35,6 +38,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import _shm_backend
+
 # Generous for ~2 s launches on a loaded 2-core box, short enough that a
 # deadlocking implementation cannot stall the whole suite for long.
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDP2_TEST_TIMEOUT", "90"))
@@ -55,6 +60,7 @@ def _child(
     store_path: str,
     out_dir: str,
     backend: str = "gloo",
+    shm_dir: str = "",
 ) -> None:
     code = 0
     try:
@@ -65,7 +71,11 @@ def _child(
 
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        if backend == "nccl":
+        if backend == _shm_backend.NAME:
+            os.environ[_shm_backend.DIR_ENV] = shm_dir
+            _shm_backend.register()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        elif backend == "nccl":
             # CUDA tensors through NCCL, CPU ones (e.g. offloaded shards) through gloo
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
@@ -120,6 +130,14 @@ def _oversubscribed(rank: int, world_size: int) -> Any:
     return options
 
 
+def default_backend() -> str:
+    """The suite's backend: ``FSDP2_TEST_BACKEND`` (``gloo`` or ``shm``), else shared memory on x86."""
+    chosen = os.environ.get("FSDP2_TEST_BACKEND", "shm")
+    if chosen not in ("gloo", "shm"):
+        raise ValueError(f"FSDP2_TEST_BACKEND={chosen!r}: expected 'gloo' or 'shm'")
+    return _shm_backend.NAME if chosen == "shm" and _shm_backend.available() else "gloo"
+
+
 _PRELOADED = False
 
 
@@ -145,23 +163,32 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
-    backend: str = "gloo",
+    backend: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return per-rank results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return per-rank results.
+
+    ``backend``: ``None`` for the suite's default (see the module docstring), or
+    ``"gloo"``, ``"nccl"`` by name.
+    """
     __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this helper
+    backend = backend or default_backend()
     if backend == "nccl":
         ctx = multiprocessing.get_context("spawn")
     else:
         _preload()
         ctx = multiprocessing.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="fsdp2_test_")
+    shm_dir = ""
+    if backend == _shm_backend.NAME:  # memory, not disk, where there is a /dev/shm
+        in_memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shm_dir = tempfile.mkdtemp(prefix="fsdp2_shm_", dir=in_memory)
     store_path = os.path.join(tmp, "store")
     procs = []
     try:
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, store_path, tmp, backend),
+                args=(fn, rank, world_size, args, store_path, tmp, backend, shm_dir),
                 daemon=True,
             )
             p.start()
@@ -225,3 +252,5 @@ def run_ranks(
                 p.kill()
                 p.join(5)
         shutil.rmtree(tmp, ignore_errors=True)
+        if shm_dir:
+            shutil.rmtree(shm_dir, ignore_errors=True)

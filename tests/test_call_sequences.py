@@ -64,8 +64,8 @@ def test_call_sequences_match_upstream(world_size, case, launch_cases):
     check_case(launch_cases(world_size, CASES[world_size], timeout=600), case)
 
 
-def _finds(mutant: str, first: int, **options):
-    """The sequences find ``mutant``: at seed ``first``, where a search from seed 0 first did.
+def _finds(mutant: str, at: int, **options):
+    """The sequences find ``mutant``: at seed ``at``, one of the first 30 seeds that do.
 
     With ``FSDP2_CALL_SEQUENCES=N``, the search itself: seeds 0 to N-1, until one finds it.
     Either way the finding seed must be clean without the bug.
@@ -75,7 +75,7 @@ def _finds(mutant: str, first: int, **options):
         from call_sequences import run_sequence
         from mutants import MUTANTS
 
-        for seed in range(_EXTRA) if _EXTRA else [first]:
+        for seed in range(_EXTRA) if _EXTRA else [at]:
             with MUTANTS[mutant]():
                 found = run_sequence(seed, rank, world_size, **options)
             if found is not None:  # the same calls without the bug: no divergence
@@ -86,13 +86,16 @@ def _finds(mutant: str, first: int, **options):
     return case
 
 
-# (mutant, the first seed of a search from 0 that finds it, where its bug lives)
+# (mutant, a seed that finds it, where its bug lives). A search from seed 0 first finds them
+# at 5, 11, 14, 1 and 4; the two costly ones (compiled steps recompiling, 35 s at seed 4 on
+# 2 cores) run the cheapest of their first 30 finding seeds instead: 29 (5, 12, 25, 29 find
+# new-state-objects) and 9 (4, 7, 9, 25 find compiled-step-swapped).
 KNOWN_BUGS = {
-    "new-state-objects": _finds("new-state-objects", 5),
+    "new-state-objects": _finds("new-state-objects", 29),
     "nesterov-writes-grads": _finds("nesterov-writes-grads", 11, optimizer="SGD"),
     "fused-tail": _finds("fused-tail", 14, optimizer="Adam"),
     "offloaded-closure": _finds("offloaded-closure", 1, tier="nvme"),
-    "compiled-step-swapped": _finds("compiled-step-swapped", 4),
+    "compiled-step-swapped": _finds("compiled-step-swapped", 9),
 }
 
 

@@ -268,12 +268,11 @@ CASES.update(
 )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_flat_step_bit_identical(world_size, case, launch_cases):
     """The flat step equals the unsharded and the DTensor step bitwise; state unchanged."""
-    # every case in one launch per world size; W = 3 shards unevenly, and the empty shards
-    # of W = 4 are the optimizer zoo's (tests/test_optimizer_zoo.py), which keeps CI's time
+    # every case in one launch per world size; W = 3 shards unevenly, W = 4 has empty shards
     check_case(launch_cases(world_size, CASES, timeout=max(DEFAULT_TIMEOUT_S, 600)), case)
 
 

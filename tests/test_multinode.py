@@ -170,7 +170,7 @@ def test_shard_collectives_stay_inside_a_node(two_nodes):
 def test_two_node_run_matches_one_launch(two_nodes):
     """Two agents give bitwise the losses, parameters and collectives of one 4-rank launch."""
     _, results = two_nodes
-    single = run_ranks(script.train, WORLD_SIZE)
+    single = run_ranks(script.train, WORLD_SIZE, backend="gloo")  # torchrun's agents run gloo
     # Same ranks, same groups, same gloo algorithms: only the launch path differs.
     assert [r["losses"] for r in results] == [s["losses"] for s in single]
     assert [r["groups"] for r in results] == [s["groups"] for s in single]

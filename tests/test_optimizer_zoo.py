@@ -73,9 +73,6 @@ def _configs() -> dict[str, tuple[type, dict]]:
 
 
 CONFIGS = _configs()
-# Pairs of flags: at W = 1 to 3 (uneven shards at 3); W = 4 (empty shards) takes each flag
-# alone, which keeps the suite within CI's time on 2 cores
-PAIRS = {name for name in CONFIGS if name.count("-") == 2 and not name.endswith("-tensor_lr")}
 
 
 class _MLP(nn.Module):
@@ -251,10 +248,9 @@ def _run_config(cls: type, kwargs: dict, rank: int, world_size: int) -> list[str
 
 def _zoo(rank: int, world_size: int) -> None:
     failures = []
-    configs = {n: c for n, c in CONFIGS.items() if world_size < 4 or n not in PAIRS}
-    for name, (cls, kwargs) in configs.items():
+    for name, (cls, kwargs) in CONFIGS.items():
         failures += [f"{name}: {p}" for p in _run_config(cls, kwargs, rank, world_size)]
-    assert not failures, f"{len(failures)} differences in {len(configs)} configs:\n" + "\n".join(
+    assert not failures, f"{len(failures)} differences in {len(CONFIGS)} configs:\n" + "\n".join(
         failures
     )
 

@@ -131,6 +131,6 @@ def _reinit(rank, world_size, store_dir):
 def test_new_process_group_gets_new_post_forward_groups():
     """After destroy_process_group and a new init, reshard_after_forward=2 uses new groups."""
     with tempfile.TemporaryDirectory() as store_dir:
-        results = run_ranks(_reinit, 4, store_dir)
+        results = run_ranks(_reinit, 4, store_dir, backend="gloo")  # (both worlds: one backend)
     for rank, (first, second) in enumerate(results):
         assert_nested_close(second, first, f"rank {rank}: second world vs first", rtol=0, atol=0)

@@ -112,12 +112,16 @@ def rank() -> int:
 
 
 def comm_device() -> torch.device:
-    """Where tensors travel: CPU for gloo (and without a process group), else the accelerator."""
+    """Where tensors travel: the accelerator where the default group's backend serves it,
+    else CPU (gloo, no process group, a CUDA build without a GPU, a CPU-only backend)."""
     if not dist.is_initialized():
         return torch.device("cpu")
     backend = str(dist.get_backend())
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     if "gloo" in backend or "mpi" in backend or accelerator is None:
+        return torch.device("cpu")
+    served = {part.split(":")[0] for part in dist.get_backend_config().split(",")}
+    if accelerator.type not in served:  # e.g. "cpu:mybackend" on a GPU machine
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
