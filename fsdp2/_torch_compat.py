@@ -109,6 +109,23 @@ def storage_shared(t: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
 
 
+def set_writer_file_system(writer: Any, file_system: Any) -> None:
+    """Make DCP's ``FileSystemWriter`` open, rename and remove its files through ``file_system``.
+
+    Sets the writer's ``fs`` attribute, through which ``_FileSystemWriter``
+    does all its file operations (torch 2.4 - 2.15; checked on 2.13 and
+    2.15). DCP's public hook on streams (``_extensions``) transforms each
+    item's bytes and records itself in the metadata, which readers must then
+    know; it cannot observe a file as written.
+    """
+    if not hasattr(writer, "fs"):
+        raise RuntimeError(
+            f"torch {torch.__version__}: FileSystemWriter has no 'fs' attribute any more; "
+            "save with checksums=False, or use a torch fsdp2 supports"
+        )
+    writer.fs = file_system
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` is a view of (views of views included), or ``None``.
 

@@ -39,8 +39,9 @@ from fsdp2.checkpoint.step_dirs import CLAIM
 
 
 def _names(root):
-    """The entries of a checkpoint root, less this job's claim file (see test_checkpoint_lock)."""
-    return sorted(n for n in os.listdir(root) if n != CLAIM)
+    """The entries of a checkpoint root, less this job's claim file (see test_checkpoint_lock)
+    and the pruned steps still being deleted in the background (``.step-N.deleting``)."""
+    return sorted(n for n in os.listdir(root) if n != CLAIM and not n.endswith(".deleting"))
 
 
 def _barrier_then(rank, fn):
@@ -349,6 +350,11 @@ def test_one_process_without_a_process_group(tmp_path):
     assert load_latest(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
+    save_checkpoint(tmp_path, model, optim, step=3, keep=1)  # prunes step 2 in the background
+    from fsdp2.checkpoint import step_dirs
+
+    step_dirs._wait_for_deletions()  # (what a normal exit does too)
+    assert sorted(os.listdir(tmp_path)) == [CLAIM, "step-3"]  # deleted, not only hidden
 
 
 def _async_save_body(rank, world_size, root):

@@ -66,6 +66,8 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.tensor._redistribute", "_TransformInfo"),
     # cache_keys_see_local_tensors
     ("torch.distributed.tensor", "DTensor._stable_hash_for_caching"),
+    # set_writer_file_system (an instance attribute: checked on an instance below)
+    ("torch.distributed.checkpoint.filesystem", "FileSystem.create_stream"),
 ]
 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12):
     PRIVATE_SYMBOLS.append(("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"))
@@ -144,3 +146,26 @@ def test_storage_shared_counts_tensors() -> None:
     assert storage_shared(t) and storage_shared(v)
     del v
     assert not storage_shared(t)
+
+
+def test_set_writer_file_system_reaches_every_file_operation(tmp_path) -> None:
+    """The writer's ``fs`` exists, and the file system set there is the one the writer uses."""
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from fsdp2._torch_compat import set_writer_file_system
+
+    writer = FileSystemWriter(tmp_path)
+    assert isinstance(writer.fs, FileSystem)
+    seen = []
+
+    class Recording(FileSystem):
+        def mkdir(self, path):
+            seen.append(path)
+            super().mkdir(path)
+
+    set_writer_file_system(writer, Recording())
+    writer.reset(tmp_path / "sub")
+    writer.set_up_storage_writer(True)
+    writer.prepare_local_plan(SavePlan([]))
+    assert seen and (tmp_path / "sub").is_dir()

@@ -6,9 +6,9 @@ DCP trusts its files: a truncated or missing data file fails the load with
 middle of one load silently as wrong weights. So each save records, next to
 DCP's files, a manifest (``.fsdp2-checksums.json``) with every file's size
 and CRC-32, written before the commit rename (a committed step always has
-it). Each rank hashes the files it wrote (DCP names them ``__RANK_N.distcp``;
-rank 0 also takes ``.metadata``), right after writing them, while they are
-still in the page cache; rank 0 gathers the entries and writes the manifest.
+it). Each rank sums the files it writes as it writes them ([Note: Checksums
+while writing] in ``summing.py``: no byte is read back); rank 0 gathers the
+entries and writes the manifest.
 
 A load first checks the folder: every rank compares the sizes of all files
 (cheap) and the CRC-32 of its share of them (``files[rank::world]``, so the
@@ -59,17 +59,6 @@ def checksum(path: Path) -> tuple[int, int]:
 
 
 _CHUNK = 8 << 20
-
-
-def written_by(folder: Path, rank: int) -> dict[str, list[int]]:
-    """``{name: [size, crc32]}`` of the files ``rank`` wrote into ``folder`` (rank 0: the rest too)."""
-    entries = {}
-    for name in sorted(os.listdir(folder)):
-        match = _WRITER.match(name)
-        mine = int(match.group(1)) == rank if match else rank == 0
-        if mine and name != MANIFEST and (folder / name).is_file():
-            entries[name] = list(checksum(folder / name))
-    return entries
 
 
 def write_manifest(folder: Path, entries: dict[str, list[int]]) -> None:

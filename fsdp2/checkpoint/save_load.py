@@ -308,6 +308,7 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
     import torch.distributed.checkpoint as dcp
 
     from .streaming import StreamingSavePlanner
+    from .summing import SummingWriter
 
     partial = partial_dir(final)
 
@@ -316,26 +317,19 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
         agree("save_checkpoint: cleaning up", lambda: discard(final), group=group,
               error_type=CheckpointError)
 
+    writer = SummingWriter(partial) if checksums else None  # sums as it writes
     _dcp_call(f"save_checkpoint: writing {final}", final,
-              lambda: dcp.save(state, checkpoint_id=partial, process_group=group,
-                                       planner=StreamingSavePlanner()),
+              lambda: dcp.save(state, checkpoint_id=partial, storage_writer=writer,
+                               process_group=group, planner=StreamingSavePlanner()),
               cleanup, _WRITE_HINT)
     entries: dict[str, list[int]] = {}
-    if checksums:  # each rank hashes its own files, still in the page cache
-        try:
-            mine: Any = integrity.written_by(partial, _rank(group))
-        except OSError as exc:
-            mine = f"{type(exc).__name__}: {exc}"
-        for rank, got in enumerate(_gather(mine, group)):
-            if isinstance(got, str):
-                cleanup()
-                raise CheckpointError(f"save_checkpoint: checksumming {final} failed on rank "
-                                      f"{rank} ({got}){_WRITE_HINT}")
+    if writer is not None:
+        for got in _gather(writer.sums(), group):
             entries.update(got)
 
     def finish() -> None:
         if checksums:
-            for name in sorted(os.listdir(partial)):  # a file no rank claimed by its name
+            for name in sorted(os.listdir(partial)):  # a file no writer summed as it wrote it
                 if name not in entries and name != integrity.MANIFEST:
                     entries[name] = list(integrity.checksum(partial / name))
             integrity.write_manifest(partial, entries)

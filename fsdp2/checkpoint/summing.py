@@ -1,0 +1,104 @@
+"""DCP's file writer, recording each file's size and CRC-32 as it writes the bytes.
+
+[Note: Checksums while writing]
+The manifest of [Note: Checkpoint integrity] needs every file's CRC-32. Read
+back after the write, that is a second pass over every byte the save wrote,
+inside the save's stall. Here the file system DCP's ``FileSystemWriter``
+writes through wraps each stream it opens for writing: every ``write`` also
+feeds ``zlib.crc32``, so the sums are ready when the last byte is written
+and no byte is read again. DCP writes each file front to back (``tell`` for
+offsets, no ``seek``); a stream that seeks after all, or a file this writer
+did not write, is summed from disk as before (``integrity.checksum``), so a
+sum is never wrong, only sometimes not free. ``.metadata`` is written to a
+temporary name and renamed: the sum follows the rename.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+from .._torch_compat import set_writer_file_system
+
+__all__ = ["SummingWriter"]
+
+
+class _SummingStream:
+    """A writable stream that sums what passes through it; anything else goes to ``raw``."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.crc = self.size = 0
+        self.in_order = True
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")
+        if written is not None and written != len(view):
+            view = view[:written]
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self.in_order = False  # (the sum no longer describes the file)
+        return self._raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class _SummingFileSystem(FileSystem):
+    """DCP's local file system, keeping ``{file name: (size, crc32)}`` of the files it wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()  # (DCP may write files from several threads)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "r" in mode and "+" not in mode:
+            with super().create_stream(path, mode) as raw:
+                yield raw
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _SummingStream(raw)
+            yield stream
+        with self._lock:
+            if stream.in_order and "a" not in mode:
+                self.sums[Path(path).name] = (stream.size, stream.crc)
+            else:
+                self.sums.pop(Path(path).name, None)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.sums:
+                self.sums[Path(new_path).name] = self.sums.pop(Path(path).name)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        super().rm_file(path)
+        with self._lock:
+            self.sums.pop(Path(path).name, None)
+
+
+class SummingWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose ``sums()`` are the size and CRC-32 of each file it wrote."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._summing = _SummingFileSystem()
+        set_writer_file_system(self, self._summing)
+
+    def sums(self) -> dict[str, list[int]]:
+        """``{file name: [size, crc32]}``, as the checksum manifest keeps them."""
+        with self._summing._lock:
+            return {name: [size, crc] for name, (size, crc) in self._summing.sums.items()}
