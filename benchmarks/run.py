@@ -51,7 +51,7 @@ FULL = {
     "hook_layers": 128,
     "hook_reps": 100,
     "materialize_shape": LLAMA_70B,
-    "materialize_reps": 3,
+    "materialize_reps": 5,
     "ckpt_reps": 6,
     "ckpt_integrity_reps": 3,
     "muon_shape": {
