@@ -37,7 +37,6 @@ __all__ = ["MANIFEST", "verify_checkpoint"]
 MANIFEST = ".fsdp2-checksums.json"
 METADATA = ".metadata"  # DCP's metadata file, written last
 _FORMAT = "fsdp2-checksums"
-_WRITER = re.compile(r"^__(\d+)_")  # DCP's data files: __RANK_N.distcp
 _STEP = re.compile(r"^step-(\d+)$")
 
 
