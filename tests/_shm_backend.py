@@ -298,6 +298,8 @@ class ShmGroup(dist.ProcessGroup):
         """Bytes ``[start, start + nbytes)`` of ``rank``'s payload."""
         if nbytes is None:
             nbytes = self._header[rank * _ROW + _NBYTES + slot] - start
+        if nbytes == 0:  # (a rank that sent nothing may have no file yet)
+            return np.empty(0, np.uint8)
         return self._segment(rank, slot)[start:start + nbytes]
 
     def _offset(self, rank: int, slot: int, index: int) -> int:
