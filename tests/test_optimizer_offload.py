@@ -144,6 +144,64 @@ def test_tiers_step_like_memory(world_size, tmp_path):
     run_ranks(_tiers_body, world_size, str(tmp_path))
 
 
+def _local_values(state_dict) -> dict:
+    """Each state tensor's local value, cloned, by (parameter index, key)."""
+    return {
+        (idx, k): (v.to_local() if isinstance(v, DTensor) else v).clone()
+        for idx, state in state_dict["state"].items()
+        for k, v in state.items() if isinstance(v, torch.Tensor)
+    }
+
+
+def _held_across_load_body(rank, world_size, tmp):
+    """A state dict taken before a load of other values keeps what it showed (the load goes into
+    fresh storage, as upstream's does); one loaded into itself (DCP's way) stays the live state."""
+    ref = build_transformer(seed=5)
+    shard_transformer(ref, fully_shard, mesh=cpu_mesh())
+    ref_opt = _optimizer(ref, "adamw")
+    fsdp2.enable_local_shard_step(ref_opt)
+    for tier, copies in (("nvme", False), ("host", True)):
+        model = build_transformer(seed=5)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        policy = OptimizerOffloadPolicy(tier=tier, directory=os.path.join(tmp, tier), unit_bytes=512)
+        with _params_seen_on_accelerator(copies):
+            handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+        assert handle.engine.tier.in_units, tier
+        first = tier == "nvme"  # the reference trains alongside the first tier only
+        for m, o in ((model, opt), (ref, ref_opt)) if first else ((model, opt),):
+            _train_accumulating(m, o, rank, world_size, 2)
+        held = opt.state_dict()
+        shown = _local_values(held)
+        if first:
+            ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # other tensors, the same values
+        for m, o in ((model, opt), (ref, ref_opt)) if first else ((model, opt),):
+            _train_accumulating(m, o, rank, world_size, 2, first=2)
+        if first:
+            _assert_same(model, opt, ref, ref_opt, f"{tier}: after a load")
+        now = _local_values(opt.state_dict())
+        assert any(not torch.equal(now[k], v) for k, v in shown.items()), "the state did not move"
+        assert all(torch.equal(_local_values(held)[k], v) for k, v in shown.items()), (
+            f"{tier}: a state dict taken before the load followed the steps after it"
+        )
+        live = opt.state_dict()
+        opt.load_state_dict(live)  # its own tensors: nothing renewed, they stay live
+        _train_accumulating(model, opt, rank, world_size, 1, first=4)
+        after = _local_values(opt.state_dict())
+        assert all(torch.equal(_local_values(live)[k], v) for k, v in after.items()), tier
+        if tier == "nvme":
+            _assert_files_hold_state(handle.engine, opt)
+            files = sorted(p.name for p in handle.engine.tier.folder.glob("unit*.bin"))
+            assert len(files) == sum(len(u.layout.numel) for u in handle.engine.units), files
+        handle.remove()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_held_across_a_load(world_size, tmp_path):
+    run_ranks(_held_across_load_body, world_size, str(tmp_path))
+
+
 def _snapshot(model, opt) -> list:
     """Every parameter's and state tensor's local bytes (and every other state value)."""
     def raw(t):

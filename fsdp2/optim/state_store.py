@@ -83,6 +83,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ import torch.distributed as dist
 from ..agree import agree
 from ..api import OptimizerOffloadPolicy
 from ..claim_file import ClaimFile, Owner, OwnerStatus
-from ..file_tensors import FileRegion
+from ..file_tensors import FileRegion, MappedFiles
 
 __all__ = [
     "DiskStore", "HostStore", "LiveBytes", "MemoryTier", "Slot", "StateTier", "StoreError",
@@ -186,6 +187,14 @@ class LiveBytes:
             self.peak = self.now
 
 
+def _slot(layout: UnitLayout, param: int, key: str) -> Slot:
+    return next(s for s in layout.slots if s.param == param and s.key == key)
+
+
+# (unit, parameter index in the unit, key, value) -> whether value is that state tensor itself
+InPlaceTest = Callable[[int, int, str, torch.Tensor], bool]
+
+
 def _views(regions: dict[torch.dtype, torch.Tensor], layout: UnitLayout) -> dict[tuple[int, str], torch.Tensor]:
     return {
         (s.param, s.key): regions[s.dtype].narrow(0, s.offset, s.numel).view(s.shape)
@@ -212,6 +221,13 @@ class StateTier(Protocol):
     def wait(self) -> None:
         """Block until every released unit is where it belongs."""
 
+    def in_place_test(self) -> InPlaceTest:
+        """Whether a value already is a unit's state tensor (in place, not a copy); valid until
+        the next ``renew``."""
+
+    def renew(self, unit: int) -> None:
+        """Give ``unit`` fresh storage (a load of other values): views handed out keep the old."""
+
     def close(self) -> None:
         """Release the tier's resources (buffers, files' claim)."""
 
@@ -232,6 +248,12 @@ class MemoryTier:
 
     def wait(self) -> None:
         """Nothing is written behind."""
+
+    def in_place_test(self) -> InPlaceTest:
+        raise AssertionError("MemoryTier holds no units: the engine steps it in one call")
+
+    def renew(self, unit: int) -> None:
+        raise AssertionError("MemoryTier holds no units: the engine steps it in one call")
 
     def close(self) -> None:
         """Nothing to give back."""
@@ -259,15 +281,27 @@ class HostStore:
 
     def __init__(self, layouts: list[UnitLayout], pin_memory: bool) -> None:
         pin = pin_memory and torch.cuda.is_available()
-        self._regions = [
-            {dt: torch.empty(n, dtype=dt, pin_memory=pin) for dt, n in layout.numel.items()}
-            for layout in layouts
-        ]
+        self._pin = pin
         self._layouts = layouts
+        self._regions = [self._allocate(layout) for layout in layouts]
         self.live = LiveBytes()  # counts only what a first step creates: the regions are resident
+
+    def _allocate(self, layout: UnitLayout) -> dict[torch.dtype, torch.Tensor]:
+        return {dt: torch.empty(n, dtype=dt, pin_memory=self._pin) for dt, n in layout.numel.items()}
 
     def views(self, unit: int) -> dict[tuple[int, str], torch.Tensor]:
         return _views(self._regions[unit], self._layouts[unit])
+
+    def in_place_test(self) -> InPlaceTest:
+        def test(unit: int, param: int, key: str, value: torch.Tensor) -> bool:
+            slot = _slot(self._layouts[unit], param, key)
+            start = self._regions[unit][slot.dtype].data_ptr() + slot.offset * slot.dtype.itemsize
+            return value.data_ptr() == start and value.dtype == slot.dtype and value.shape == slot.shape
+
+        return test
+
+    def renew(self, unit: int) -> None:
+        self._regions[unit] = self._allocate(self._layouts[unit])
 
     def prefetch(self, unit: int) -> None:
         """Nothing to read: host state is always resident."""
@@ -295,11 +329,11 @@ class DiskStore:
         self._token = uuid.uuid4().hex  # this store's: a second optimizer in this process is refused
         self._fingerprint = fingerprint(layouts)
         self._claim()
-        self._paths = [
-            {dt: self.folder / f"unit{i:05d}-{str(dt).removeprefix('torch.')}.bin" for dt in layout.numel}
-            for i, layout in enumerate(layouts)
-        ]
-        self._reserve()
+        self._renewals = 0
+        self._paths = [self._new_paths(i) for i in range(len(layouts))]
+        self._remove_leftovers()
+        for i in range(len(layouts)):
+            self._reserve(i)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fsdp2-state-writeback")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="fsdp2-state-read")
         self._in_flight = in_flight
@@ -357,24 +391,60 @@ class DiskStore:
 
     # ---- space ------------------------------------------------------------------
 
-    def _reserve(self) -> None:
-        for paths, layout in zip(self._paths, self._layouts):
-            for dt, path in paths.items():
-                nbytes = layout.numel[dt] * dt.itemsize
+    def _new_paths(self, unit: int) -> dict[torch.dtype, Path]:
+        """``unit``'s file names: the first of a run, or a renewal's (a ``-rN`` suffix)."""
+        suffix = f"-r{self._renewals}" if self._renewals else ""
+        return {
+            dt: self.folder / f"unit{unit:05d}-{str(dt).removeprefix('torch.')}{suffix}.bin"
+            for dt in self._layouts[unit].numel
+        }
+
+    def _remove_leftovers(self) -> None:
+        """Unit files this run will not use (a killed run's renewals): never read, so deleted."""
+        ours = {path.name for paths in self._paths for path in paths.values()}
+        for path in self.folder.glob("unit*.bin"):
+            if path.name not in ours:
+                path.unlink(missing_ok=True)
+
+    def _reserve(self, unit: int) -> None:
+        layout = self._layouts[unit]
+        for dt, path in self._paths[unit].items():
+            nbytes = layout.numel[dt] * dt.itemsize
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                    try:
-                        os.ftruncate(fd, nbytes)
-                        if nbytes and hasattr(os, "posix_fallocate"):
-                            os.posix_fallocate(fd, 0, nbytes)
-                    finally:
-                        os.close(fd)
-                except OSError as e:
-                    raise StoreError(
-                        f"Cannot reserve {nbytes} bytes of optimizer state in {path} ({e}); "
-                        f"the state needs {sum(u.nbytes() for u in self._layouts)} bytes per "
-                        "rank: free space or point OptimizerOffloadPolicy.directory elsewhere"
-                    ) from e
+                    os.ftruncate(fd, nbytes)
+                    if nbytes and hasattr(os, "posix_fallocate"):
+                        os.posix_fallocate(fd, 0, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise StoreError(
+                    f"Cannot reserve {nbytes} bytes of optimizer state in {path} ({e}); "
+                    f"the state needs {sum(u.nbytes() for u in self._layouts)} bytes per "
+                    "rank: free space or point OptimizerOffloadPolicy.directory elsewhere"
+                ) from e
+
+    def renew(self, unit: int) -> None:
+        """New files for ``unit``; the old ones are unlinked.
+
+        A load of values that are not already the unit's files goes into new
+        files, as a load in memory goes into new tensors: a state dict taken
+        before the load keeps mappings of the old files, whose pages live on
+        (unlinked) while it holds them, so it keeps the state it showed and
+        does not follow the steps after the load (as with upstream).
+        """
+        self.wait()  # the writer fsyncs by path: none may be on the old files
+        with self._lock:
+            ahead = self._read_ahead.pop(unit, None)
+        if ahead is not None and not ahead.cancel():
+            ahead.exception()  # mappings of the old files, never used: let the read finish
+        old = self._paths[unit]
+        self._renewals += 1
+        self._paths[unit] = self._new_paths(unit)
+        self._reserve(unit)
+        for path in old.values():
+            path.unlink(missing_ok=True)
 
     # ---- stepping ---------------------------------------------------------------
 
@@ -423,9 +493,13 @@ class DiskStore:
             finally:
                 os.close(fd)
 
+    def in_place_test(self) -> InPlaceTest:
+        maps = MappedFiles.now()  # a DCP load may have written the files through mappings
+        return lambda unit, param, key, value: maps.region(value) == self.region(unit, param, key)
+
     def region(self, unit: int, param: int, key: str) -> FileRegion:
         """Where the state tensor ``key`` of ``unit``'s parameter ``param`` lies in its file."""
-        slot = next(s for s in self._layouts[unit].slots if s.param == param and s.key == key)
+        slot = _slot(self._layouts[unit], param, key)
         size = slot.dtype.itemsize
         return FileRegion(str(self._paths[unit][slot.dtype]), slot.offset * size, slot.numel * size)
 

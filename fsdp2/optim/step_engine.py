@@ -48,6 +48,7 @@ upstream's bits, and the runs rebuild from the state that step leaves (see
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import types
@@ -59,7 +60,6 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import fast_grad_access, local_tensor
 from ..api import OptimizerOffloadPolicy
-from ..file_tensors import MappedFiles
 from . import unit_step
 from .flat_run import FlatRun, flat_grads
 from .replica_sharded_step import ReplicaShardedStep, SlicedRun
@@ -271,12 +271,13 @@ class StepEngine:
         if not self.tier.in_units:
             return
         state, tier = optimizer.state, self.tier
-        in_place = None
-        if isinstance(tier, DiskStore):  # a DCP load may have written the files already
-            maps = MappedFiles.now()
-            in_place = lambda i: lambda j, k, v: maps.region(v) == tier.region(i, j, k)  # noqa: E731
+        in_place = tier.in_place_test()
         for i, unit in enumerate(self.units):
-            unit_step.load_unit(unit, tier.views(i), state, self.copies, in_place and in_place(i))
+            test = functools.partial(in_place, i)
+            if not unit_step.loaded_in_place(unit, state, test):
+                tier.renew(i)  # a state dict taken before the load keeps what it showed
+                test = None
+            unit_step.load_unit(unit, tier.views(i), state, self.copies, test)
             unit_step.keep(unit, tier.release(i), state)
         self.tier.wait()
         self._half_stepped = None  # every unit holds the loaded state now

@@ -127,6 +127,15 @@ def _own(view: torch.Tensor) -> torch.Tensor:
     return own_storage(view.reshape(-1)).view(view.shape)
 
 
+def loaded_in_place(unit: Unit, state: dict, in_place: Callable[[int, str, torch.Tensor], bool]) -> bool:
+    """Whether every value ``state`` holds for the unit already is the tier's (loaded in place)."""
+    return all(
+        in_place(j, k, local_of(state[p][k]))
+        for j, p in enumerate(unit.params) if p in state
+        for k in unit.keys[j] if k in state[p]
+    )
+
+
 @torch.no_grad()
 def load_unit(
     unit: Unit,
