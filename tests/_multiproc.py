@@ -25,12 +25,14 @@ with every failing rank's traceback text.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -57,7 +59,7 @@ def _child(
     rank: int,
     world_size: int,
     args: tuple,
-    store_path: str,
+    store_port: int,
     out_dir: str,
     backend: str = "gloo",
     shm_dir: str = "",
@@ -70,7 +72,11 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        store = dist.FileStore(store_path, world_size)
+        # the parent serves the store (see run_ranks)
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, world_size, is_master=False,
+            timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S),
+        )
         if backend == _shm_backend.NAME:
             os.environ[_shm_backend.DIR_ENV] = shm_dir
             _shm_backend.register()
@@ -108,6 +114,20 @@ def _child(
         except BaseException:  # noqa: BLE001
             pass
         os._exit(code)
+
+
+_STORE_TIMEOUT_S = 300  # a store read's bound (the launch's own timeout usually comes first)
+
+
+def _serve_store(listen_fd: int, port: int, world_size: int) -> Any:
+    """The TCPStore server of one launch on the listening socket ``listen_fd`` (it closes it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=True,
+        timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
 
 
 def _oversubscribed(rank: int, world_size: int) -> Any:
@@ -182,17 +202,25 @@ def run_ranks(
     if backend == _shm_backend.NAME:  # memory, not disk, where there is a /dev/shm
         in_memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         shm_dir = tempfile.mkdtemp(prefix="fsdp2_shm_", dir=in_memory)
-    store_path = os.path.join(tmp, "store")
+    # The ranks' store: a TCPStore served from this process on a socket bound before the
+    # ranks start (no port race), its server thread started after they are forked. A
+    # FileStore polls every 10 ms for a key another rank has yet to set: each store
+    # exchange (group setup, fsdp2's divergence check at lazy init) cost 5-15 ms there.
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    store_port = listener.getsockname()[1]
+    listen_fd = listener.detach()  # the store server owns (and closes) it
     procs = []
+    server = None
     try:
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, store_path, tmp, backend, shm_dir),
+                args=(fn, rank, world_size, args, store_port, tmp, backend, shm_dir),
                 daemon=True,
             )
             p.start()
             procs.append(p)
+        server = _serve_store(listen_fd, store_port, world_size)
 
         deadline = time.monotonic() + timeout
         first_failure: float | None = None
@@ -251,6 +279,9 @@ def run_ranks(
             if p.exitcode is None:
                 p.kill()
                 p.join(5)
+        if server is None:
+            os.close(listen_fd)
+        del server
         shutil.rmtree(tmp, ignore_errors=True)
         if shm_dir:
             shutil.rmtree(shm_dir, ignore_errors=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import build_transformer, cpu_mesh, rank_slice, shard_transformer
+from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import (
@@ -388,7 +388,7 @@ class Sequence:
             return False
         if isinstance(a, DTensor):
             if self.ragged:  # another layout: compare whole values (a collective, every rank)
-                return a.shape == b.shape and torch.equal(a.full_tensor(), b.full_tensor())
+                return a.shape == b.shape and torch.equal(full(a), full(b))
             a, b = a.to_local(), b.to_local()
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 

@@ -443,7 +443,7 @@ def assert_same_optimizer_state(got_opt, want_opt, *, layouts_differ: bool = Fal
             g = got["state"][idx][key]
             assert type(g) is type(value), (idx, key)
             if isinstance(value, DTensor) and layouts_differ:
-                assert torch.equal(g.full_tensor(), value.full_tensor()), f"state {idx} {key!r}"
+                assert torch.equal(full(g), full(value)), f"state {idx} {key!r}"
             elif isinstance(value, DTensor):
                 assert g.placements == value.placements, (idx, key, g.placements)
                 assert torch.equal(g.to_local(), value.to_local()), f"state {idx} {key!r} differs"

@@ -58,3 +58,37 @@ def test_timeout_kills_ranks():
     with pytest.raises(RankError, match="timed out"):
         run_ranks(_hang, 2, timeout=2)
     assert time.monotonic() - start < 20
+
+
+def _full_equals_full_tensor(rank, world_size):
+    from models import _gather_plain_shards, full
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    meshes = [init_device_mesh("cpu", (world_size,))]
+    if world_size == 4:
+        meshes.append(init_device_mesh("cpu", (2, 2)))
+    torch.manual_seed(0)
+    fast = 0
+    for mesh in meshes:
+        one = [(Shard(0),), (Shard(1),), (Replicate(),)]
+        two = [(Replicate(), Shard(0)), (Shard(0), Shard(1)), (Shard(1), Shard(0)), (Shard(0), Shard(0))]
+        for placements in one if mesh.ndim == 1 else two:
+            for shape in [(7, 5), (1, 3), (3, 2), (13,)] if mesh.ndim == 1 else [(7, 5), (5, 3)]:
+                if any(getattr(p, "dim", 0) >= len(shape) for p in placements):
+                    continue
+                for dtype in (torch.float32, torch.bfloat16, torch.int64):
+                    value = (torch.randn(shape) * 100).to(dtype)
+                    d = distribute_tensor(value, mesh, placements)
+                    got, want = full(d), d.full_tensor()
+                    assert got.dtype == want.dtype and torch.equal(got, want), (placements, shape)
+                    assert torch.equal(want, value)
+                    fast += _gather_plain_shards(d) is not None
+    return fast
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_full_gathers_what_full_tensor_gathers(world_size):
+    """The tests' ``full`` (plain shards gathered by process-group collectives) is ``full_tensor()``,
+    uneven and empty shards, 2-D meshes and several dtypes included; it takes the fast path."""
+    assert all(n > 0 for n in run_ranks(_full_equals_full_tensor, world_size))
