@@ -14,10 +14,11 @@ with the ranks' tracebacks, so a benchmark never hangs the run.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import tempfile
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,7 +29,7 @@ class RankFailure(RuntimeError):
     """A rank raised, died or ran past the timeout."""
 
 
-def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
+def _rank_main(fn, rank, world_size, backend, store_port, args, conn) -> None:
     status, payload = "ok", None
     try:
         import torch
@@ -38,7 +39,7 @@ def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
         if backend == "nccl":
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-            store = dist.FileStore(store_path, world_size)
+            store = _store_client(store_port, world_size)
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world_size,
                 device_id=device,
@@ -48,7 +49,7 @@ def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
 
             init_fake_process_group(world_size)
         else:
-            store = dist.FileStore(store_path, world_size)
+            store = _store_client(store_port, world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         payload = fn(rank, world_size, *args)
         dist.destroy_process_group()
@@ -59,6 +60,15 @@ def _rank_main(fn, rank, world_size, backend, store_path, args, conn) -> None:
         conn.close()
     finally:
         os._exit(0 if status == "ok" else 1)
+
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _store_client(port: int, world_size: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
 
 
 def launch(
@@ -72,23 +82,32 @@ def launch(
     """``fn(rank, world_size, *args)`` on every rank; the list of per-rank results."""
     ctx = mp.get_context(start_method)
     nprocs = 1 if backend == "fake" else world_size
-    tmp = tempfile.mkdtemp(prefix="fsdp2_bench_")
-    store_path = os.path.join(tmp, "store")
+    # The store torchrun gives its ranks, a TCPStore (a FileStore polls every 10 ms for a key
+    # another rank has yet to set, and every store exchange would be timed with that), served
+    # from this process on a socket bound before the ranks start.
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listener.getsockname()[1]
+    listen_fd = listener.detach()  # the store server owns (and closes) it
+    server = None
     procs, conns = [], []
-    for rank in range(nprocs):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, backend, store_path, args, send),
-            daemon=True,
-        )
-        p.start()
-        send.close()
-        procs.append(p)
-        conns.append(recv)
     results: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
+        for rank in range(nprocs):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, backend, port, args, send),
+                daemon=True,
+            )
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        import torch.distributed as dist
+
+        server = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=_STORE_TIMEOUT,
+                               wait_for_workers=False, master_listen_fd=listen_fd)
         while len(results) < nprocs:
             pending = [r for r in range(nprocs) if r not in results]
             ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=1.0)
@@ -109,11 +128,9 @@ def launch(
             if p.is_alive():
                 p.kill()
             p.join(5)
-        for path in (store_path, tmp):
-            try:
-                os.remove(path) if path == store_path else os.rmdir(path)
-            except OSError:
-                pass
+        if server is None:
+            os.close(listen_fd)
+        del server
     errors = [f"rank {r}: {payload}" for r, (s, payload) in sorted(results.items()) if s != "ok"]
     if errors or len(results) < nprocs:
         raise RankFailure(f"{fn.__name__} failed:\n" + "\n".join(errors or ["rank missing"]))

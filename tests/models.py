@@ -267,50 +267,65 @@ def global_mean(value: torch.Tensor) -> torch.Tensor:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The full value of a tensor that may be a DTensor.
 
-    Plain shards are gathered with one process-group collective per sharded mesh
-    dim, not through ``full_tensor()``: DTensor's redistribute costs about 0.9 ms
-    of Python a call on these machines, and the optimizer matrices call this for
-    every parameter after every step (a third of their time). Anything else
-    (partial, strided or ragged placements, tensors that need grad, other
-    backends) takes ``full_tensor()``; ``tests/test_checks.py`` holds the two equal.
+    Shards (``Shard``, and ``RaggedShard`` with its rows set) are gathered with
+    one process-group collective per sharded mesh dim, not through
+    ``full_tensor()``: DTensor's redistribute costs about 0.9 ms of Python a
+    call on these machines, and the optimizer matrices call this for every
+    parameter after every step (a third of their time). Anything else
+    (partial or strided placements, tensors that need grad, other backends)
+    takes ``full_tensor()``; ``tests/test_multiproc.py`` holds the two equal.
     """
     if not isinstance(t, DTensor):
         return t
-    gathered = _gather_plain_shards(t)
+    gathered = _gather_shards(t)
     return t.full_tensor() if gathered is None else gathered
 
 
 _GATHER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 
 
-def _gather_plain_shards(t: DTensor) -> torch.Tensor | None:
+def _shard_sizes(placement, size: int, world: int) -> list[int] | None:
+    """Each rank's rows of a ``size``-row dim under ``placement`` (None: not a plain shard)."""
+    from fsdp2 import RaggedShard
+
+    if isinstance(placement, RaggedShard) and placement.row_bounds:
+        bounds = placement.row_bounds
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    if type(placement) is Shard:  # torch.chunk's: full chunks, what is left, then empty ones
+        chunk = -(-size // world) if size else 0
+        return [max(0, min(chunk, size - r * chunk)) for r in range(world)]
+    return None
+
+
+def _gather_shards(t: DTensor) -> torch.Tensor | None:
     """``t.full_tensor()`` by all-gathers of padded shards, or None where that is not it."""
     mesh, placements = t.device_mesh, t.placements
-    sharded = [(i, p.dim) for i, p in enumerate(placements) if type(p) is Shard]
+    sharded = [
+        (i, p.dim, _shard_sizes(p, t.shape[p.dim], mesh.size(i)))
+        for i, p in enumerate(placements) if not p.is_replicate()
+    ]
     if (
         t.requires_grad
         or t.dtype not in _GATHER_DTYPES
         or not sharded
-        or any(type(p) is not Shard and not p.is_replicate() for p in placements)
-        or len({d for _, d in sharded}) != len(sharded)  # one mesh dim per tensor dim
+        or any(sizes is None for *_, sizes in sharded)
+        or len({d for _, d, _ in sharded}) != len(sharded)  # one mesh dim per tensor dim
         or t.to_local().device.type != "cpu"
     ):
         return None
-    groups = [mesh.get_group(i) for i, _ in sharded]
+    groups = [mesh.get_group(i) for i, _, _ in sharded]
     if any(dist.get_backend(g) not in ("fsdp2_shm", "gloo") for g in groups):
         return None
     value = t.to_local()
-    for (mesh_dim, dim), group in zip(sharded, groups):
-        world = mesh.size(mesh_dim)
-        size = t.shape[dim]
-        chunk = -(-size // world) if size else 0
+    for (_, dim, sizes), group in zip(sharded, groups):
         rows = value.movedim(dim, 0)
-        padded = rows.new_zeros((chunk, *rows.shape[1:]))
+        most = max(sizes)
+        padded = rows.new_zeros((most, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
-        out = rows.new_empty((world * chunk, *rows.shape[1:]))
+        out = rows.new_empty((len(sizes) * most, *rows.shape[1:]))
         dist.all_gather_into_tensor(out, padded, group=group)
-        # torch.chunk's sizes: full chunks first, then what is left, then empty shards
-        value = out[:size].movedim(0, dim)
+        blocks = [b[:n] for b, n in zip(out.split(most) if most else [out] * len(sizes), sizes)]
+        value = torch.cat(blocks).movedim(0, dim)
     return value.contiguous()
 
 

@@ -61,9 +61,11 @@ def test_timeout_kills_ranks():
 
 
 def _full_equals_full_tensor(rank, world_size):
-    from models import _gather_plain_shards, full
+    from models import _gather_shards, full
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import fsdp2
 
     meshes = [init_device_mesh("cpu", (world_size,))]
     if world_size == 4:
@@ -83,7 +85,15 @@ def _full_equals_full_tensor(rank, world_size):
                     got, want = full(d), d.full_tensor()
                     assert got.dtype == want.dtype and torch.equal(got, want), (placements, shape)
                     assert torch.equal(want, value)
-                    fast += _gather_plain_shards(d) is not None
+                    fast += _gather_shards(d) is not None
+    bounds = (0, 4, 4, 7, 9) if world_size == 4 else (0, 1, 7, 9)
+    for shape in [(bounds[-1], 3), (bounds[-1],)]:
+        value = torch.randn(shape)
+        rows = value[bounds[rank] : bounds[rank + 1]].clone()
+        d = DTensor.from_local(rows, meshes[0], [fsdp2.RaggedShard(row_bounds=bounds)],
+                               shape=value.shape, stride=value.stride())
+        assert torch.equal(full(d), value) and torch.equal(d.full_tensor(), value)
+        fast += _gather_shards(d) is not None
     return fast
 
 
