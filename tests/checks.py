@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 
 import pytest
@@ -449,3 +450,24 @@ def assert_same_optimizer_state(got_opt, want_opt, *, layouts_differ: bool = Fal
                 assert torch.equal(g.to_local(), value.to_local()), f"state {idx} {key!r} differs"
             else:
                 assert torch.equal(torch.as_tensor(g), torch.as_tensor(value)), (idx, key)
+
+
+@contextlib.contextmanager
+def persistent_cache_dir(name: str):
+    """A folder named ``name`` (per torch version) that outlives the run: under
+    ``$FSDP2_TEST_CACHE``, else the user's cache folder (``~/.cache/fsdp2-tests``); a
+    temporary one where neither is writable. For caches whose keys are complete
+    (inductor's, per rank: see test_compiled_step.py), so a later run starts warm."""
+    import tempfile
+
+    root = os.environ.get("FSDP2_TEST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fsdp2-tests"
+    )
+    path = os.path.join(root, f"torch-{torch.__version__}", name)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+            yield tmp
+        return
+    yield path

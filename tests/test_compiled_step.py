@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
 from _impl import IMPL
-from checks import assert_same_optimizer_state, check_case
+from checks import assert_same_optimizer_state, check_case, persistent_cache_dir
 from models import build_mlp, cpu_mesh, full, mlp_batch, mlp_loss, rank_slice, shard_mlp
 
 import fsdp2
@@ -52,9 +51,12 @@ def _compiled_steps_between_eager_ones(backend: str, ragged: bool = False):
     def case(rank, world_size):
         torch._dynamo.reset()
         # torch's compile caches key a DTensor step by global shapes: ranks whose local
-        # shards differ (13 rows on 2 ranks) must not share one (upstream's step fails too)
+        # shards differ (13 rows on 2 ranks) must not share one (upstream's step fails too).
+        # So each (case, W, rank) has a cache of its own, kept across runs where the user's
+        # cache folder is writable (an inductor step compiles in 15 s cold, 8 s warm).
         before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        with tempfile.TemporaryDirectory(prefix=f"inductor-rank{rank}-") as cache:
+        name = f"inductor-{backend}-{'ragged' if ragged else 'dim0'}-w{world_size}-rank{rank}"
+        with persistent_cache_dir(name) as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             try:
                 _compiled_steps(backend, rank, world_size, ragged)
