@@ -301,7 +301,8 @@ def _gather_shards(t: DTensor) -> torch.Tensor | None:
     """``t.full_tensor()`` by all-gathers of padded shards, or None where that is not it."""
     mesh, placements = t.device_mesh, t.placements
     sharded = [
-        (i, p.dim, _shard_sizes(p, t.shape[p.dim], mesh.size(i)))
+        (i, p.dim, _shard_sizes(p, t.shape[p.dim], mesh.size(i))) if isinstance(p, Shard)
+        else (i, None, None)  # partial sums and the like
         for i, p in enumerate(placements) if not p.is_replicate()
     ]
     if (

@@ -63,7 +63,7 @@ def test_timeout_kills_ranks():
 def _full_equals_full_tensor(rank, world_size):
     from models import _gather_shards, full
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     import fsdp2
 
@@ -86,6 +86,8 @@ def _full_equals_full_tensor(rank, world_size):
                     assert got.dtype == want.dtype and torch.equal(got, want), (placements, shape)
                     assert torch.equal(want, value)
                     fast += _gather_shards(d) is not None
+    partial = DTensor.from_local(torch.ones(3) * rank, meshes[0], [Partial()])  # takes full_tensor()
+    assert _gather_shards(partial) is None and torch.equal(full(partial), partial.full_tensor())
     bounds = (0, 4, 4, 7, 9) if world_size == 4 else (0, 1, 7, 9)
     for shape in [(bounds[-1], 3), (bounds[-1],)]:
         value = torch.randn(shape)
