@@ -50,6 +50,10 @@ sys.path[:0] = [str(EXAMPLES), str(EXAMPLES.parent)]
 from model import ModelArgs, Transformer  # noqa: E402
 
 FSDP2_IMPL = os.environ.get("FSDP2_IMPL", "fsdp2").strip().lower()
+GRAD_PAYLOADS = {
+    "bf16": torch.bfloat16, "fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
 if FSDP2_IMPL == "torch":
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,6 +98,14 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="mixed precision: bf16 all-gather and compute, fp32 gradient reduction and weights",
     )
+    p.add_argument(
+        "--grad-comm",
+        choices=sorted(GRAD_PAYLOADS),
+        help="fsdp2: exchange gradients in this payload, summed in fp32 (GradientCommPolicy)",
+    )
+    p.add_argument(
+        "--error-feedback", action="store_true", help="with --grad-comm: carry each encoding's error"
+    )
     p.add_argument("--ckpt-dir", type=Path, help="save sharded checkpoints here (DCP)")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--ckpt-keep", type=int, default=3, help="newest checkpoints kept")
@@ -104,6 +116,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.grad_comm and FSDP2_IMPL != "fsdp2":
+        p.error("--grad-comm is fsdp2's (GradientCommPolicy); upstream has no such policy")
+    if args.error_feedback and not args.grad_comm:
+        p.error("--error-feedback needs --grad-comm")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     if args.ckpt_every < 1:
@@ -168,10 +184,12 @@ def random_batch(
 
 
 def build_model(
-    args: ModelArgs, world_size: int, device: torch.device, bf16: bool = False
+    args: ModelArgs, world_size: int, device: torch.device, bf16: bool = False,
+    grad_comm: object = None,
 ) -> Transformer:
     """Make the model on ``meta``, shard it (one group per block, then the root), then
-    allocate this rank's shards on ``device`` and initialise them."""
+    allocate this rank's shards on ``device`` and initialise them. ``grad_comm``: an
+    fsdp2 ``GradientCommPolicy`` for every group's gradient exchange."""
     with torch.device("meta"):
         model = Transformer(args)
     mesh = init_device_mesh(device.type, (world_size,))
@@ -181,6 +199,9 @@ def build_model(
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if grad_comm is not None:
+        for module in [*model.layers, model]:
+            module.set_gradient_comm_policy(grad_comm)
     model.to_empty(device=device)
     model.init_weights()
     return model
@@ -243,7 +264,12 @@ def main() -> None:
         vocab_size=tokenizer.vocab_size,
         max_seq_len=opts.seq_len,
     )
-    model = build_model(model_args, world_size, device, bf16=opts.bf16)
+    grad_comm = None
+    if opts.grad_comm:
+        grad_comm = fsdp2.GradientCommPolicy(
+            GRAD_PAYLOADS[opts.grad_comm], error_feedback=opts.error_feedback
+        )
+    model = build_model(model_args, world_size, device, bf16=opts.bf16, grad_comm=grad_comm)
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda step: lr_factor(step, opts.warmup_steps, opts.steps)

@@ -26,6 +26,7 @@ from .optim.muon import Muon, MuonLoad
 CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy = (
     api.CPUOffloadPolicy, api.MixedPrecisionPolicy, api.OffloadPolicy)
 DataParallelMeshDims, ShardPlacementResult = api.DataParallelMeshDims, api.ShardPlacementResult
+GradientCommPolicy = api.GradientCommPolicy
 RaggedShard = api.RaggedShard
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointLockedError",
     "FSDPAssertionError",
     "FSDPNotImplementedError",
+    "GradientCommPolicy",
     "IncompatibleKeys",
     "Muon",
     "MuonLoad",

@@ -64,6 +64,46 @@ class MixedPrecisionPolicy:
     )
 
 
+@dataclass(frozen=True)
+class GradientCommPolicy:
+    """What a gradient reduce-scatter sends: fewer bytes on the wire, the sum in ``reduce_dtype``.
+
+    For ``FSDPModule.set_gradient_comm_policy``. Each rank encodes every
+    slice of its gradient once (``payload``), one all-to-all delivers each
+    slice's ``W`` encodings to its owner, which decodes them and adds them in
+    rank order in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``,
+    the gradient's own by default): deterministic, and never summed in the
+    payload dtype (upstream's ``reduce_dtype=torch.bfloat16`` sums in bf16 at
+    every ring hop). HSDP: the reduce-scatter is encoded, the replica
+    all-reduce runs in the reduce dtype. See docs/mixed_precision.md.
+
+    Attributes:
+        payload: ``torch.bfloat16`` (2 bytes an element), ``torch.float8_e4m3fn``,
+            ``torch.float8_e5m2`` or ``torch.int8`` (1 byte an element and one
+            float32 scale per block).
+        block_size: elements per scale (float8 and int8); blocks start
+            afresh at every parameter's edge, so a scale never spans two
+            parameters or two ranks.
+        error_feedback: keep what each encoding lost and add it to the next
+            reduction (costs the group's unsharded gradient size in the
+            reduce dtype, per rank, for the module's life).
+    """
+
+    payload: torch.dtype = torch.bfloat16
+    block_size: int = 128
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        payloads = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+        if self.payload not in payloads:
+            raise ValueError(
+                f"GradientCommPolicy: payload {self.payload} is not one of "
+                + ", ".join(str(p) for p in payloads)
+            )
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"GradientCommPolicy: block_size must be an int >= 1, got {self.block_size!r}")
+
+
 @dataclass
 class OffloadPolicy:
     """Base offload policy: no offloading (sharded state stays on the device)."""

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from .api import GradientCommPolicy
 from .errors import FSDPAssertionError
 from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handle, reduction_handle
 from .runtime.comm.comm_memory import use_process_group_memory, use_symm_mem
@@ -476,6 +477,19 @@ class FSDPModule:
         check_comm(comm, "set_custom_reduce_scatter")
         for group in self._groups(recurse=False):
             group.reduction.set_reduce_scatter_comm(comm)
+
+    def set_gradient_comm_policy(self, policy: GradientCommPolicy | None) -> None:
+        """Reduce-scatter this module's gradients in ``policy.payload`` (``None``: as sent today).
+
+        fsdp2's own (see ``GradientCommPolicy``): each slice encoded once,
+        exchanged by all-to-all, summed by its owner in the reduce dtype. This
+        module's groups only (call it on each ``fully_shard``-ed module); a
+        custom reduce-scatter comm on the same module is refused.
+        """
+        if policy is not None and not isinstance(policy, GradientCommPolicy):
+            raise TypeError(f"set_gradient_comm_policy expects a GradientCommPolicy or None, got {policy!r}")
+        for group in self._groups(recurse=False):
+            group.reduction.set_grad_comm(policy)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), .to() and friends replace local tensors, module by

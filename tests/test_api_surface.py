@@ -74,7 +74,7 @@ def _public_methods(cls: type) -> dict[str, object]:
 
 
 #: Public FSDPModule methods that upstream does not have.
-FSDP2_ONLY_METHODS = {"finish_backward"}
+FSDP2_ONLY_METHODS = {"finish_backward", "set_gradient_comm_policy"}
 
 
 def test_every_fsdp_module_method_matches_torch():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.quantized_reduce import QuantizedReduceScatter
 from ..comm.staged_collectives import AllGather, ReduceScatter
 
 
@@ -46,6 +47,8 @@ class ReductionSettings:
     all_reduce_hook_stream: torch.Stream | None = None
     # set_custom_reduce_scatter, or a built-in comm (see [Note: Communication memory])
     reduce_scatter_comm: ReduceScatter | None = None
+    # set_gradient_comm_policy: the reduce-scatter through encoded slices (quantized_reduce.py)
+    grad_comm: QuantizedReduceScatter | None = None
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1  # read at the root's lazy init (CommContext)
     # set_separate_reduce_scatter_group; None: the shard group

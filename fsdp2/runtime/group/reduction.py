@@ -92,6 +92,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,7 @@ from ...versions import ACCUMULATE_IN_GRAD_DTYPE
 from ..comm import collectives
 from ..comm.comm_context import CommContext
 from ..comm.comm_memory import effective
+from ..comm.quantized_reduce import QuantizedReduceScatter
 from ..comm.staged_collectives import ReduceScatter
 from ..common.mixed_precision import GroupDtypes
 from ..meshes.mesh import FSDPMeshInfo
@@ -110,6 +112,12 @@ from ..storage.param import FSDPParam
 from . import replica_slices
 from .group_settings import ReductionSettings
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
+
+_BOTH_COMMS = (
+    "a GradientCommPolicy and a custom reduce-scatter comm both replace the gradient "
+    "reduce-scatter: set one (set_gradient_comm_policy(None) or set_custom_reduce_scatter "
+    "on a fresh module)"
+)
 
 
 class GradientReduction:
@@ -178,7 +186,17 @@ class GradientReduction:
 
     def set_reduce_scatter_comm(self, comm: ReduceScatter | None) -> None:
         """A custom or built-in reduce-scatter comm; ``None``: the default collective."""
+        if comm is not None and self.settings.grad_comm is not None:
+            raise ValueError(_BOTH_COMMS)
         self.settings = replace(self.settings, reduce_scatter_comm=comm)
+
+    def set_grad_comm(self, policy: Any) -> None:
+        """``GradientCommPolicy``: reduce-scatter through encoded slices; ``None``: off."""
+        if policy is not None and self.settings.reduce_scatter_comm is not None:
+            raise ValueError(_BOTH_COMMS)
+        comm = None if policy is None else QuantizedReduceScatter(
+            policy.payload, policy.block_size, policy.error_feedback)
+        self.settings = replace(self.settings, grad_comm=comm)
 
     def set_reduce_scatter_unused_params(self, enabled: bool) -> None:
         self.settings = replace(self.settings, reduce_scatter_unused_params=enabled)
@@ -354,6 +372,7 @@ class GradientReduction:
                     p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
                 return
             comm = effective(self.settings.reduce_scatter_comm) if not identity else None
+            encoded = self.settings.grad_comm if not identity else None
             out = None
             if comm is not None:  # a custom comm allocates both buffers
                 numel = world_size * self.order.shard_numel(fsdp_params)
@@ -364,6 +383,10 @@ class GradientReduction:
                 rs_input.div_(plan.pre_factor)
             if identity:
                 output = rs_input
+            elif encoded is not None:  # see [Note: Quantized gradient exchange]
+                output = rs_input.new_empty(rs_input.numel() // world_size)
+                segments = self.order.slice_segments(fsdp_params)
+                encoded(output, rs_input, self.reduce_scatter_group, plan.op, segments)
             elif comm is not None:
                 output = comm.allocate(
                     (rs_input.numel() // world_size,), dtype=reduce_dtype, device=rs_input.device

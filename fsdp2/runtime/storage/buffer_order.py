@@ -101,6 +101,11 @@ class BufferOrder(ABC):
         """Elements each rank's block of the reduce-scatter input holds."""
 
     @abstractmethod
+    def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
+        """For each rank's block of the reduce-scatter input: the lengths of the runs its
+        parameters' rows (and the gaps between them) make, in order."""
+
+    @abstractmethod
     def reduce_scatter_input(
         self,
         grads: list[torch.Tensor],

@@ -179,6 +179,16 @@ class ParamMajor(BufferOrder):
     def shard_numel(self, params: list[FSDPParam]) -> int:
         return self.layouts[0].shard_numel  # S: the plan's, whichever parameters have gradients
 
+    def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
+        share = self.layouts[0].shard_numel
+        edges = sorted({e for p in params for e in (p.layout.start, p.layout.start + p.layout.size.numel())})
+        out = []
+        for r in range(self.world_size):  # every parameter's edges that fall inside block r
+            lo, hi = r * share, (r + 1) * share
+            cuts = [lo] + [e for e in edges if lo < e < hi] + [hi]
+            out.append([b - a for a, b in zip(cuts, cuts[1:]) if b > a])
+        return out
+
     def reduce_scatter_input(
         self,
         grads: list[torch.Tensor],

@@ -89,6 +89,9 @@ class RankMajor(BufferOrder):
     def shard_numel(self, params: list[FSDPParam]) -> int:
         return sum(p.padded_shard_numel for p in params)
 
+    def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
+        return [[p.padded_shard_numel for p in params]] * self.world_size
+
     def reduce_scatter_input(
         self,
         grads: list[torch.Tensor],
