@@ -57,6 +57,9 @@ def test_encode_decode_exact_zeros_and_bytes():
         negative[310:] = 1.0  # the first two segments all -0.0, the third not
         back = decode(*encode(negative, payload, 128, segments), torch.float32, 128, segments)
         assert torch.signbit(back[:305]).all() and torch.equal(back[305:], negative[305:]), payload
+        tiny = torch.full((n,), 1e-44)  # denormal: a scale would underflow to 0 (0 / 0 codes)
+        assert torch.equal(decode(*encode(tiny, payload, 128, segments), torch.float32, 128, segments),
+                           tiny.bfloat16().float() if payload == torch.bfloat16 else torch.zeros(n)), payload
         noisy = torch.randn(n)
         error = (decode(*encode(noisy, payload, 128, segments), torch.float32, 128, segments) - noisy)
         assert error.norm() / noisy.norm() < BOUND[payload] / 2, payload

@@ -23,7 +23,8 @@ Signed zeros survive: a block whose elements are all ``-0.0`` (the fill of a
 parameter unused on a rank, [Note: Gradients of parameters used on some
 ranks] in reduction.py) gets the scale ``-0.0`` and decodes to ``-0.0``, so
 "unused everywhere" still reads as ``None``. A block of zeros of either sign
-decodes to zeros.
+decodes to zeros, as does a block too small to scale (its largest under 127
+or 448 times the smallest float32).
 
 Error feedback (``error_feedback=True``): each rank keeps what its encoding
 lost (the input plus the kept residual, minus what it decodes to) and adds it
@@ -45,7 +46,6 @@ QMAX: dict[torch.dtype, float] = {
     torch.float8_e4m3fn: 448.0,
     torch.float8_e5m2: 57344.0,
 }
-PAYLOADS = (torch.bfloat16, *QMAX)
 
 
 def wire_bytes(numel: int, payload: torch.dtype, block_size: int) -> int:
@@ -85,15 +85,15 @@ def encode(
     negative = torch.ones(count, dtype=torch.uint8, device=x.device).scatter_reduce_(
         0, ids, torch.signbit(x).to(torch.uint8), "amin", include_self=False
     )
-    zero = largest == 0
     scales = largest / QMAX[payload]
+    zero = scales == 0  # zeros, or denormals too small to scale: sent as zeros
     q = x / torch.where(zero, torch.ones_like(scales), scales)[ids]
     q = torch.where(zero[ids], 0.0, q)  # +0 codes: the scale alone carries the zeros' sign
     if payload == torch.int8:
         codes = q.round_().clamp_(-127, 127).to(torch.int8)
     else:
         codes = q.to(payload)
-    # an all-zero block: scale -0.0 where every element is -0.0, else +0.0; codes 0
+    # a zero block: scale -0.0 where every element is negative, else +0.0; codes 0
     scales = torch.where(zero, torch.where(negative.bool(), -0.0, 0.0), scales)
     return codes, scales
 
