@@ -194,12 +194,15 @@ def _compose_body(rank, world_size):
         torch.testing.assert_close(full(p.detach()), full(q.detach()), atol=3e-2, rtol=0, msg=n)
     # parameters no rank uses keep grad None (the -0.0 fill crosses as -0.0)
     models = []
-    for p in (policy, GradientCommPolicy(torch.float8_e4m3fn), None):
+    feedback = GradientCommPolicy(torch.int8, error_feedback=True)
+    for p in (policy, GradientCommPolicy(torch.float8_e4m3fn), feedback, None):
         model = build_transformer(seed=5)
         model.layers[0].spare = torch.nn.Linear(5, 3)  # in block 0's group, never called
         shard_transformer(model, fsdp2.fully_shard, mesh=cpu_mesh())
         model.layers[0].set_gradient_comm_policy(p)
-        loss_of(model, batch).backward()
+        for _ in range(2):  # the second with a residual kept from the first
+            model.zero_grad()
+            loss_of(model, batch).backward()
         models.append(model)
     *encoded, plain = models
     assert [n for n, p in plain.named_parameters() if p.grad is None] == [

@@ -137,14 +137,15 @@ class QuantizedReduceScatter:
         slices = input.view(world, n)
         if self.error_feedback:
             if self.residual is None or self.residual.shape != slices.shape:
-                self.residual = torch.zeros_like(slices)
-            slices = slices + self.residual
+                self.residual = torch.full_like(slices, -0.0)
+            slices = slices + self.residual  # (-0.0: x + -0.0 is x, signed zeros included)
         sent = []
         for r in range(world):
             codes, scales = encode(slices[r], self.payload, self.block_size, segments[r])
             if self.error_feedback:
                 lost = slices[r] - decode(codes, scales, slices.dtype, self.block_size, segments[r])
-                self.residual[r].copy_(lost)
+                # nothing lost is kept as -0.0, so an unused parameter's -0.0 fill stays -0.0
+                self.residual[r].copy_(torch.where(lost == 0, -0.0, lost))
             sent.append((codes, scales))
         me = dist.get_rank(group)
         received = _all_to_all(sent, group, me)
