@@ -60,6 +60,9 @@ def test_encode_decode_exact_zeros_and_bytes():
         tiny = torch.full((n,), 1e-44)  # denormal: a scale would underflow to 0 (0 / 0 codes)
         assert torch.equal(decode(*encode(tiny, payload, 128, segments), torch.float32, 128, segments),
                            tiny.bfloat16().float() if payload == torch.bfloat16 else torch.zeros(n)), payload
+        small = torch.randn(n) * 1e-40  # denormal scales: coarse, yet every code finite
+        back = decode(*encode(small, payload, 128, segments), torch.float32, 128, segments)
+        assert torch.isfinite(back).all(), payload
         noisy = torch.randn(n)
         error = (decode(*encode(noisy, payload, 128, segments), torch.float32, 128, segments) - noisy)
         assert error.norm() / noisy.norm() < BOUND[payload] / 2, payload

@@ -89,10 +89,9 @@ def encode(
     zero = scales == 0  # zeros, or denormals too small to scale: sent as zeros
     q = x / torch.where(zero, torch.ones_like(scales), scales)[ids]
     q = torch.where(zero[ids], 0.0, q)  # +0 codes: the scale alone carries the zeros' sign
-    if payload == torch.int8:
-        codes = q.round_().clamp_(-127, 127).to(torch.int8)
-    else:
-        codes = q.to(payload)
+    # (clamped: a denormal scale is coarse, and its quotients may pass the payload's largest)
+    q = q.clamp_(-QMAX[payload], QMAX[payload])
+    codes = q.round_().to(torch.int8) if payload == torch.int8 else q.to(payload)
     # a zero block: scale -0.0 where every element is negative, else +0.0; codes 0
     scales = torch.where(zero, torch.where(negative.bool(), -0.0, 0.0), scales)
     return codes, scales
