@@ -6,7 +6,8 @@ The demo's model at the demo's size (``SHAPE``), one ``fully_shard`` per block
 and the root, one backward of the same batch per variant. For each variant:
 
 * bytes: what a rank hands the gradient collectives in one step (the
-  reduce-scatter's or all-to-all's input), against the fp32 reduce-scatter's;
+  reduce-scatter's or all-to-all's input, ``instruments.CommCounter``), against
+  the fp32 reduce-scatter's;
 * error: the reduced gradient's relative (Frobenius) error against the fp32
   reduce-scatter's, and the error of the sum of 8 reductions of that same
   gradient against 8 times it (what error feedback is for).
@@ -21,9 +22,9 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 from _ranks import launch
 from common import cpu_mesh
+from instruments import CommCounter
 from model import batch, build_model, model_loss
 
 import fsdp2
@@ -55,32 +56,6 @@ def _model(variant):
     return model
 
 
-class _Bytes:
-    """The input bytes of every reduce-scatter and all-to-all this rank starts."""
-
-    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single")
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-
-    def __enter__(self):
-        def counting(fn):
-            def call(output, input, *args, **kwargs):
-                self.total += input.numel() * input.element_size()
-                return fn(output, input, *args, **kwargs)
-
-            return call
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, counting(fn))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-
 def _reduced(model, tokens, targets) -> list[torch.Tensor]:
     model_loss(model, tokens, targets).backward()
     grads = [p.grad.full_tensor().float() for p in model.parameters()]
@@ -99,15 +74,17 @@ def body(rank: int, world_size: int) -> dict:
     want = None
     for name, variant in VARIANTS.items():
         model = _model(variant)
-        with _Bytes() as sent:
+        with CommCounter(also=("all_to_all_single",)) as sent:
             first = _reduced(model, tokens, targets)
         total = first
         for _ in range(REPEATS - 1):
             total = [t + g for t, g in zip(total, _reduced(model, tokens, targets))]
+        sent_bytes = sum(n for name, n in sent.bytes.items()
+                         if "reduce_scatter" in name or name == "all_to_all_single")
         if want is None:
-            want, fp32_bytes = first, sent.total
+            want, fp32_bytes = first, sent_bytes
         rows[name] = {
-            "bytes": sent.total / fp32_bytes,
+            "bytes": sent_bytes / fp32_bytes,
             "error": _error(first, want),
             "error_of_sum": _error(total, [REPEATS * w for w in want]),
         }

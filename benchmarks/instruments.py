@@ -126,10 +126,12 @@ class CopyCounter(TorchDispatchMode):
 class CommCounter:
     """Context manager counting calls and logical bytes of ``torch.distributed`` collectives."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: tuple[str, ...] = ()) -> None:
+        """``also``: collectives counted beyond the default ones (``"all_to_all_single"``:
+        its input bytes)."""
         self.bytes: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
-        self._calls = CollectiveCalls(self._count)
+        self._calls = CollectiveCalls(self._count, also)
 
     @property
     def total(self) -> int:

@@ -54,6 +54,9 @@ def call_tensors(name: str, args: tuple, kwargs: dict) -> tuple[list[Any], int]:
     if name == "all_gather":  # a list of W outputs
         tensors = [*arg(0, "tensor_list"), arg(1, "tensor")]
         return tensors, sum(nbytes(t) for t in tensors[:-1])
+    if name == "all_to_all_single":  # what this rank sends (its slices for every rank)
+        tensors = [arg(0, "output"), arg(1, "input")]
+        return tensors, nbytes(tensors[1])
     if name == "reduce_scatter":  # a list of W inputs
         tensors = [arg(0, "output"), *arg(1, "input_list")]
         return tensors, sum(nbytes(t) for t in tensors[1:])
@@ -72,8 +75,9 @@ def call_group(args: tuple, kwargs: dict) -> dist.ProcessGroup:
 class CollectiveCalls:
     """Context manager: ``on_call(name, args, kwargs)`` before each outermost collective call."""
 
-    def __init__(self, on_call: Callable[[str, tuple, dict], None]) -> None:
+    def __init__(self, on_call: Callable[[str, tuple, dict], None], also: tuple[str, ...] = ()) -> None:
         self._on_call = on_call
+        self._names = COLLECTIVES + also  # ``also``: e.g. "all_to_all_single" (not counted by default)
         self._saved: list[tuple[Any, str, Any]] = []
         self._local = threading.local()
 
@@ -96,7 +100,7 @@ class CollectiveCalls:
         return seen
 
     def __enter__(self) -> CollectiveCalls:
-        for name in COLLECTIVES:
+        for name in self._names:
             for module in (dist, dist.distributed_c10d):
                 orig = getattr(module, name, None)
                 if orig is not None:
