@@ -35,6 +35,8 @@ It costs one reduce-dtype buffer of the reduce-scatter input's size per group
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -55,22 +57,26 @@ def wire_bytes(numel: int, payload: torch.dtype, block_size: int) -> int:
     return numel + 4 * -(-numel // block_size)
 
 
-def _blocks(segments: list[int], block_size: int) -> list[int]:
-    """Block lengths covering ``segments`` (each cut into blocks, the last one short)."""
-    out: list[int] = []
+@functools.lru_cache(maxsize=256)
+def _block_lengths(segments: tuple[int, ...], block_size: int, device: torch.device) -> torch.Tensor:
+    """The lengths of the blocks covering ``segments`` (each cut into blocks, the last one short):
+    built per parameter, not per block, and kept (a group's segments repeat every step)."""
+    parts = []
     for seg in segments:
         full, rest = divmod(seg, block_size)
-        out += [block_size] * full + ([rest] if rest else [])
-    return out
+        if full:
+            parts.append(torch.full((full,), block_size, dtype=torch.long))
+        if rest:
+            parts.append(torch.tensor([rest], dtype=torch.long))
+    lengths = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return lengths.to(device)
 
 
 def _block_ids(segments: list[int], block_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """Each element's block index, and the number of blocks."""
-    lengths = _blocks(segments, block_size)
-    ids = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, dtype=torch.long, device=device)
-    )
-    return ids, len(lengths)
+    lengths = _block_lengths(tuple(segments), block_size, device)
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    return ids, lengths.numel()
 
 
 def encode(
@@ -79,8 +85,23 @@ def encode(
     """``values`` (1-D) as payload codes and one float32 scale per block (bfloat16: no scales)."""
     if payload == torch.bfloat16:
         return values.to(torch.bfloat16), None
+    return _encode(values, payload, *_block_ids(segments, block_size, values.device))
+
+
+def decode(
+    codes: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, block_size: int,
+    segments: list[int],
+) -> torch.Tensor:
+    """The values ``encode`` gave ``codes`` and ``scales`` for, in ``dtype``."""
+    if scales is None:
+        return codes.to(dtype)
+    return _decode(codes, scales, dtype, _block_ids(segments, block_size, codes.device)[0])
+
+
+def _encode(
+    values: torch.Tensor, payload: torch.dtype, ids: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = values.float()
-    ids, count = _block_ids(segments, block_size, x.device)
     largest = x.new_zeros(count).scatter_reduce_(0, ids, x.abs(), "amax", include_self=False)
     negative = torch.ones(count, dtype=torch.uint8, device=x.device).scatter_reduce_(
         0, ids, torch.signbit(x).to(torch.uint8), "amin", include_self=False
@@ -97,14 +118,7 @@ def encode(
     return codes, scales
 
 
-def decode(
-    codes: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, block_size: int,
-    segments: list[int],
-) -> torch.Tensor:
-    """The values ``encode`` gave ``codes`` and ``scales`` for, in ``dtype``."""
-    if scales is None:
-        return codes.to(dtype)
-    ids, _ = _block_ids(segments, block_size, codes.device)
+def _decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
     return (codes.float() * scales[ids]).to(dtype)
 
 
@@ -138,25 +152,40 @@ class QuantizedReduceScatter:
             if self.residual is None or self.residual.shape != slices.shape:
                 self.residual = torch.full_like(slices, -0.0)
             slices = slices + self.residual  # (-0.0: x + -0.0 is x, signed zeros included)
+        blocks: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}  # per distinct slice layout
+
+        def ids_of(r: int) -> tuple[torch.Tensor, int]:
+            key = tuple(segments[r])
+            if key not in blocks:
+                blocks[key] = _block_ids(segments[r], self.block_size, input.device)
+            return blocks[key]
+
+        def encoded(x: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if self.payload == torch.bfloat16:
+                return x.to(torch.bfloat16), None
+            return _encode(x, self.payload, *ids_of(r))
+
+        def decoded(codes: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, r: int):
+            return codes.to(dtype) if scales is None else _decode(codes, scales, dtype, ids_of(r)[0])
+
         sent = []
         for r in range(world):
-            codes, scales = encode(slices[r], self.payload, self.block_size, segments[r])
+            codes, scales = encoded(slices[r], r)
             if self.error_feedback:
-                lost = slices[r] - decode(codes, scales, slices.dtype, self.block_size, segments[r])
+                lost = slices[r] - decoded(codes, scales, slices.dtype, r)
                 # nothing lost is kept as -0.0, so an unused parameter's -0.0 fill stays -0.0
                 self.residual[r].copy_(torch.where(lost == 0, -0.0, lost))
             sent.append((codes, scales))
         me = dist.get_rank(group)
         received = _all_to_all(sent, group, me)
-        total = output
         for r, (codes, scales) in enumerate(received):  # rank order: the same bits every run
-            value = decode(codes, scales, output.dtype, self.block_size, segments[me])
+            value = decoded(codes, scales, output.dtype, me)
             if r == 0:
-                total.copy_(value)
+                output.copy_(value)
             else:
-                total.add_(value)
+                output.add_(value)
         if op == dist.ReduceOp.AVG:
-            total.div_(world)
+            output.div_(world)
 
 
 def _all_to_all(
