@@ -75,7 +75,7 @@ class GradientCommPolicy:
     the gradient's own by default): deterministic, and never summed in the
     payload dtype (upstream's ``reduce_dtype=torch.bfloat16`` sums in bf16 at
     every ring hop). HSDP: the reduce-scatter is encoded, the replica
-    all-reduce runs in the reduce dtype. See docs/mixed_precision.md.
+    all-reduce runs in the reduce dtype. See docs/mixed-precision.md.
 
     Attributes:
         payload: ``torch.bfloat16`` (2 bytes an element), ``torch.float8_e4m3fn``,
