@@ -471,3 +471,46 @@ def persistent_cache_dir(name: str):
             yield tmp
         return
     yield path
+
+
+def bind_row_hooks(model: torch.nn.Module, pick, calls: list | None = None) -> list[str]:
+    """Identity all-gather hooks on the parameter-major parameters ``pick(name, param)`` chooses.
+
+    Each rank sends its own rows, padded with zeros to the largest rank's, and
+    the post hook puts every rank's rows back in order: the group's staged
+    all-gather (see [Note: Extensions on the parameter-major layout]) with the
+    plain path's values, so a run must match the plain one bit for bit.
+    ``calls`` gets a parameter's name at each of its pre hook's calls.
+    """
+    from types import MethodType
+
+    def hooks(name: str, bounds: tuple[int, ...]):
+        most = max(b - a for a, b in zip(bounds, bounds[1:]))
+
+        def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+            if calls is not None:
+                calls.append(name)
+            padded = self.new_zeros((most, *self.shape[1:]))
+            padded[: self.shape[0]].copy_(self.detach())
+            return (padded,), None
+
+        def post(self, outputs, metadata, param_dtype, *, out=None):
+            (rows,) = outputs
+            whole = torch.cat([rows[r * most : r * most + b - a]
+                               for r, (a, b) in enumerate(zip(bounds, bounds[1:]))]).to(param_dtype)
+            if out is not None:
+                out.data.copy_(whole)
+                return None
+            return whole, ()
+
+        return pre, post
+
+    chosen = []
+    for name, param in model.named_parameters():
+        if pick(name, param):
+            pre, post = hooks(name, param.placements[-1].row_bounds)
+            local = param._local_tensor  # the object upstream's tests patch too
+            local.fsdp_pre_all_gather = MethodType(pre, local)
+            local.fsdp_post_all_gather = MethodType(post, local)
+            chosen.append(name)
+    return chosen

@@ -79,11 +79,18 @@ def _tiled(name: str, p) -> bool:
     return name in ("a.weight", "b.weight")
 
 
-def _sharded(mp_policy=None, mesh=None):
+def _tile_major(p):
+    """The parameter-major layout keeping tiles whole: 128-row bands of the 2-D weights."""
+    return fsdp2.RaggedShard((TILE, TILE)) if p.dim() == 2 else fsdp2.RaggedShard()
+
+
+def _sharded(mp_policy=None, mesh=None, placement_fn=None):
     torch.manual_seed(5)
     ref = _Net()
     model = copy.deepcopy(ref)
     kwargs = {"mesh": mesh or cpu_mesh(), "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if placement_fn is not None:
+        kwargs["shard_placement_fn"] = placement_fn
     for layer in (model.a, model.b):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -125,6 +132,41 @@ def _quantize_after_gather(rank, world_size):
                 assert ("all_gather", rows * cols + 4 * tiles) in log, (rows, cols, log)
 
 
+def _quantize_after_gather_param_major(rank, world_size):
+    """RaggedShard((128, 128)): every rank's rows start at a tile boundary at any W (dim-0
+    chunks of 512 rows cut tiles at W = 3), each rank sends its own rows' tiles, padded
+    with zero rows to the largest rank's, and the weight is quantize-after-gather's."""
+    for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)):
+        ref, model = _sharded(mp, placement_fn=_tile_major)
+        dtype = torch.float32 if mp is None else torch.bfloat16
+        with log_collectives() as log:
+            seen = _gathered_weights(model)
+        for name in ("a", "b"):
+            want = dequantize_tiles(*quantize_tiles(getattr(ref, name).weight.detach()), TILE, dtype)
+            assert seen[name].dtype == dtype
+            assert torch.equal(seen[name], want), (name, mp)
+        if world_size > 1:  # W blocks of the largest rank's codes and scales, nothing else
+            for name, cols in (("a", 192), ("b", 512)):
+                bounds = getattr(model, name).weight.placements[0].row_bounds
+                most = max(y - x for x, y in zip(bounds, bounds[1:]))
+                assert most % TILE == 0 and all(b % TILE == 0 for b in bounds[:-1]), bounds
+                block = most * cols + 4 * (most // TILE) * -(-cols // TILE)
+                assert ("all_gather", world_size * block) in log, (name, block, log)
+
+
+def _training_param_major(rank, world_size):
+    """Two SGD steps against the reference on the parameter-major layout: the head (not
+    tiled) gathers its rows beside the hooks' codes and scales in the root's collective."""
+    ref, model = _sharded(placement_fn=_tile_major)
+    ref.quantize_in_forward = True
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+    ref_losses, losses = train_steps(ref, model, [_batch(0, world_size)], _loss, rank, world_size,
+                                     opts)
+    assert_losses_match(ref_losses, losses)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(full(p.detach()), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _training(rank, world_size):
     """One step against the reference: the same quantized weights, so the gradients (reduced
     over the ranks' batch slices) and the step agree within the tests' tolerances. Later
@@ -152,10 +194,12 @@ def _bad_input(rank, world_size):
         fully_shard(odd, mesh=cpu_mesh())
         with pytest.raises(ValueError, match=r"'0.weight' has 320 rows, 80 per rank at W=4"):
             gather_fp8_tiles(odd)
-    ragged = _Net()
-    fully_shard(ragged, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
-    with pytest.raises(NotImplementedError, match="parameter-major group"):
-        gather_fp8_tiles(ragged, filter_fn=_tiled)
+    if world_size > 1:  # whole rows of 320: a rank boundary inside a tile at W = 2, 3, 4
+        rows = nn.Sequential(nn.Linear(64, 320, bias=False))
+        fully_shard(rows, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
+        with pytest.raises(ValueError, match=r"'0.weight' is held by the ranks in rows .*"
+                                             r"RaggedShard\(\(128, 128\)\)"):
+            gather_fp8_tiles(rows)
 
 
 CASES = {
@@ -169,6 +213,18 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_tiles(case, world_size, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
+
+
+PARAM_MAJOR = {
+    "quantize_after_gather": _quantize_after_gather_param_major,
+    "training": _training_param_major,
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("case", list(PARAM_MAJOR))
+def test_fp8_tiles_on_the_parameter_major_layout(case, world_size, launch_cases):
+    check_case(launch_cases(world_size, PARAM_MAJOR), case)
 
 
 def test_tiles_are_local():

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from checks import check_case, train_alone, train_steps
+from checks import bind_row_hooks, check_case, train_alone, train_steps
 from models import (
     build_chain,
     chain_batch,
@@ -48,7 +48,8 @@ STEPS = 3
 def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=False, prefetch=False,
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
-           keep_storage=False, max_input_buffers=1, replica_slices=False, **kwargs):
+           keep_storage=False, max_input_buffers=1, replica_slices=False, row_hooks=False,
+           **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -63,6 +64,9 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
             return head(x)
 
         model.forward = forward
+    if row_hooks:  # the parameter-major layout's staged all-gather: hooks beside plain rows
+        hooked = []
+        bind_row_hooks(model, lambda name, p: p.dim() == 2, hooked)
     if custom_all_gather:  # the staged all-gather path (a user comm with its own buffers)
         for m in [*model.layers, model]:
             m.set_custom_all_gather(_AllGather())
@@ -119,6 +123,8 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         )
     if hook_stream and not edge:
         assert len(seen) > 0
+    if row_hooks:  # every tiled weight's pre hook ran: the staged path, not the plain one
+        assert set(hooked) == {n for n, p in model.named_parameters() if p.dim() == 2}, hooked
     if handle is not None:
         handle.wait_for_parameters()
     if compare:  # the parameters after the last step too
@@ -233,6 +239,8 @@ MATRIX = {
                                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64)),
     "ragged_prefetch_no_reshard": _case(shard_placement_fn=lambda p: RaggedShard(), prefetch=True,
                                         reshard_after_forward=False, max_input_buffers=2),
+    "ragged_extensions": _case(shard_placement_fn=lambda p: RaggedShard(), row_hooks=True,
+                               prefetch=True),
 }
 
 

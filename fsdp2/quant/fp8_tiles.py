@@ -21,6 +21,13 @@ of a short last shard are zeros, which change no tile's maximum. Gradients
 are reduced in full precision, as fp8 all-gathers do (the dequantized weight
 is the unsharded parameter; its gradient passes straight through).
 
+On the parameter-major layout (``RaggedShard((tile, tile))``) every rank's
+rows start at a tile boundary at any world size: each rank quantizes its own
+rows, padded with zero rows to the largest rank's (every rank sends as
+much), and the post hook cuts each rank's codes and scales out of its block
+in rank order (see [Note: Extensions on the parameter-major layout] in
+runtime/comm/ragged_staged.py): exact at every world size.
+
 Codes travel as ``uint8`` (gloo has no float8; the bytes are the same).
 """
 
@@ -97,6 +104,39 @@ def _post_all_gather(tile: int) -> Callable[..., Any]:
     return fsdp_post_all_gather
 
 
+def _pre_all_gather_rows(tile: int, most_rows: int) -> Callable[..., Any]:
+    # The parameter-major layout: this rank's rows (whole tiles from a tile boundary), padded
+    # with zero rows to the largest rank's, so that every rank sends as much.
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
+                            mp_policy=None):
+        padded = self.new_zeros((most_rows, self.shape[1]))
+        padded[: self.shape[0]].copy_(self.detach())
+        return quantize_tiles(padded, tile), None
+
+    return fsdp_pre_all_gather
+
+
+def _post_all_gather_rows(tile: int, row_bounds: tuple[int, ...]) -> Callable[..., Any]:
+    # Each rank's block holds its rows' codes and scales first: cut them out, in rank order.
+    most = max(b - a for a, b in zip(row_bounds, row_bounds[1:]))
+    most_tiles = -(-most // tile)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        codes, scales = all_gather_outputs
+        parts, part_scales = [], []
+        for r, (a, b) in enumerate(zip(row_bounds, row_bounds[1:])):
+            if b > a:
+                parts.append(codes[r * most : r * most + b - a])
+                part_scales.append(scales[r * most_tiles : r * most_tiles + -(-(b - a) // tile)])
+        weight = dequantize_tiles(torch.cat(parts), torch.cat(part_scales), tile, param_dtype)
+        if out is not None:  # .data: no version bump on a leaf that requires grad
+            out.data.copy_(weight)
+            return None
+        return weight, (weight,)
+
+    return fsdp_post_all_gather
+
+
 def gather_fp8_tiles(
     module: nn.Module,
     tile: int = 128,
@@ -108,9 +148,11 @@ def gather_fp8_tiles(
     Call after ``fully_shard`` (and after ``to_empty()``, which makes new local
     tensors), before the first forward; on every rank. ``filter_fn(name, param)``
     picks the weights (default: every 2-D parameter). A weight whose rows per
-    rank are not whole tiles raises ``ValueError`` naming it; the parameter-major
-    layout (``RaggedShard``) takes no all-gather extensions yet
-    (``NotImplementedError``).
+    rank are not whole tiles raises ``ValueError`` naming it. On the
+    parameter-major layout (``RaggedShard((tile, tile))``, or any granularity
+    whose cuts fall on tile boundaries) every rank's rows start at a tile
+    boundary at every world size, so no weight is refused there; each rank
+    sends its own rows' tiles (padded with zero rows to the largest rank's).
     """
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"gather_fp8_tiles(tile={tile!r}): expected a positive int")
@@ -126,12 +168,9 @@ def gather_fp8_tiles(
                 "call it after fully_shard"
             )
         placement = param.placements[-1]
-        if isinstance(placement, RaggedShardBase):
-            raise NotImplementedError(
-                f"gather_fp8_tiles: parameter '{name}' is in a parameter-major group "
-                "(RaggedShard), which takes no all-gather extensions yet; shard its module "
-                "without RaggedShard"
-            )
+        if isinstance(placement, RaggedShardBase) and param.dim() == 2:
+            chosen.append(_bind_rows(name, param, placement.row_bounds, tile))
+            continue
         if param.dim() != 2 or not isinstance(placement, Shard) or placement.dim != 0:
             raise ValueError(
                 f"gather_fp8_tiles: parameter '{name}' is {param.dim()}-D with placements "
@@ -152,3 +191,21 @@ def gather_fp8_tiles(
         local.fsdp_post_all_gather = MethodType(_post_all_gather(tile), local)
         chosen.append(name)
     return chosen
+
+
+def _bind_rows(name: str, param: DTensor, row_bounds: tuple[int, ...], tile: int) -> str:
+    """The parameter-major layout's hooks on ``param`` (rows ``row_bounds`` per rank)."""
+    rows = param.shape[0]
+    cuts = sorted({b for b in row_bounds if 0 < b < rows})
+    if any(c % tile for c in cuts):
+        raise ValueError(
+            f"gather_fp8_tiles: parameter '{name}' is held by the ranks in rows {row_bounds}: "
+            f"a {tile} x {tile} tile would straddle two ranks, and the gathered weight would "
+            f"depend on W. Shard it with RaggedShard(({tile}, {tile})) (whole tiles on every "
+            f"rank at any world size), or leave '{name}' out (filter_fn)"
+        )
+    most = max(b - a for a, b in zip(row_bounds, row_bounds[1:]))
+    local = local_tensor(param)
+    local.fsdp_pre_all_gather = MethodType(_pre_all_gather_rows(tile, most), local)
+    local.fsdp_post_all_gather = MethodType(_post_all_gather_rows(tile, row_bounds), local)
+    return name

@@ -51,7 +51,7 @@ from ..._torch_compat import local_tensor, outside_functorch
 from ...api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ...errors import FSDPNotImplementedError
 from ...versions import ACCUMULATE_PROFILER_RANGE
-from ..comm import collectives, staged_collectives
+from ..comm import collectives, ragged_staged, staged_collectives
 from ..comm.comm_context import CommContext
 from ..comm.comm_memory import effective
 from ..comm.force_collectives import skips_collectives
@@ -317,11 +317,16 @@ class FSDPParamGroup:
 
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
-        if self.order.param_major:
+        gather = self._gather
+        if self.order.param_major and (
+            effective(self.settings.all_gather_comm) is not None
+            or self.layout.mixed or gather.partly_cast
+        ):
             raise FSDPNotImplementedError(
                 f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather with "
-                "the default collective only (no custom all-gather comm, extension or "
-                "per-parameter casts yet); return None from shard_placement_fn for this module"
+                "the default collective or all-gather extensions only (no custom all-gather "
+                "comm, mixed dtypes or per-parameter casts yet); return None from "
+                "shard_placement_fn for this module"
             )
         ctx = self.comm_ctx
         if ctx.active and on_comm_streams:  # copy-in and collective on the copy-in stream
@@ -329,6 +334,9 @@ class FSDPParamGroup:
             with ctx.use(ctx.copy_in):
                 self._unshard_staged(True, on_comm_streams=False)
                 self.step.unshard_event = ctx.record(ctx.copy_in)
+            return
+        if self.order.param_major:  # See [Note: Extensions on the parameter-major layout]
+            self._unshard_param_major_staged(async_op)
             return
         inputs = []
         for i, p in enumerate(self.fsdp_params):
@@ -359,6 +367,26 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def _unshard_param_major_staged(self, async_op: bool) -> None:
+        """A parameter-major group with hooked parameters: their inputs in place of their rows."""
+        hook_inputs = {}
+        for i, p in enumerate(self.fsdp_params):
+            if p.extension is None:
+                continue
+            local = local_tensor(p.sharded_param)
+            if self.offload:
+                local = local.to(self.device, non_blocking=True)
+            hook_inputs[i] = p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, None, p.fqn)
+        slots = [self._slot(i).to(self.device, non_blocking=self._flat.pin_memory)
+                 for i in range(len(self.fsdp_params))]
+        self.step.pending_staged = ragged_staged.all_gather(
+            self.fsdp_params, slots, hook_inputs, self.dtypes.param or self.layout.dtype,
+            self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
+            self.mesh_info.shard_mesh_size, async_op, skip_collective=self.alone,
+        )
+        if not async_op:
+            self.wait_for_unshard()
+
     def _wait_for_staged(self) -> None:
         staged, self.step.pending_staged = self.step.pending_staged, None
         if staged.work is not None:
@@ -366,7 +394,14 @@ class FSDPParamGroup:
         event, self.step.unshard_event = self.step.unshard_event, None
         ctx = self.comm_ctx
         ctx.wait_event("all_gather->copy_out", ctx.current() if event else None, event)
-        staged_collectives.copy_out(staged, self.fsdp_params, self.mesh_info.shard_mesh_size)
+        world_size = self.mesh_info.shard_mesh_size
+        if self.order.param_major:  # the parameters view the group's output (hooked ones too)
+            output = self.order.all_gather_output(
+                world_size * self.layout.numel, self.dtypes.param or self.layout.dtype, self.device
+            )
+            ragged_staged.copy_out(staged, self.fsdp_params, output, world_size)
+        else:
+            staged_collectives.copy_out(staged, self.fsdp_params, world_size)
         for p in self.fsdp_params:
             if p.extension is not None:
                 p.unshard_extension()

@@ -136,10 +136,15 @@ class ExtensionState:
         local: torch.Tensor,
         outer_size: torch.Size,
         outer_stride: tuple[int, ...],
-        padded_size: torch.Size,
+        padded_size: torch.Size | None,
         fqn: str,
     ) -> list[torch.Tensor]:
-        """Run the pre hook; return its inputs flattened (1-D, contiguous)."""
+        """Run the pre hook; return its inputs flattened (1-D, contiguous).
+
+        ``padded_size``: the padded shard's size on dim-0 groups; ``None`` on
+        parameter-major ones, where the inputs' sizes are the hook's to keep
+        equal across ranks (see [Note: Extensions on the parameter-major layout]).
+        """
         hook = getattr(local, _PRE)
         if len(inspect.signature(hook).parameters) == 1:
             inputs, self.metadata = hook(self.mesh)
@@ -150,7 +155,8 @@ class ExtensionState:
         inputs = list(inputs)
         # Like upstream: a rank holding fewer rows than the padded shard must send
         # inputs of exactly the padded shard's size (so every rank sends as much).
-        if local.size() != padded_size and any(t.size() != padded_size for t in inputs):
+        uneven = padded_size is not None and local.size() != padded_size
+        if uneven and any(t.size() != padded_size for t in inputs):
             raise FSDPAssertionError(
                 "When a parameter is unevenly sharded by FSDP "
                 f"(orig size={outer_size}, FSDP world size={self.mesh.size()}), {_PRE} must "

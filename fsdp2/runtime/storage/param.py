@@ -194,6 +194,13 @@ class FSDPParam:
                 f"Parameter '{self.fqn}': all-gather extensions need Shard(0) and no "
                 "tensor parallelism; drop shard_placement_fn for it"
             )
+        if self.ragged and needs_own_shard(param):
+            raise NotImplementedError(
+                f"Parameter '{self.fqn}': a tensor subclass with all-gather hooks "
+                f"({type(param).__name__}) shards itself with torch.chunk's rows, not a "
+                "RaggedShard's; return None from shard_placement_fn for it (hooks bound onto "
+                "the plain local tensor, as fsdp2.quant.gather_fp8_tiles does, work on both)"
+            )
         mesh = self.mesh_info.mesh
         if mesh.ndim > 1:
             mesh = mesh[mesh.mesh_dim_names[self.mesh_info.shard_mesh_dim]]

@@ -1,0 +1,107 @@
+"""The parameter-major layout's all-gather with extensions: plain rows and hook inputs at once.
+
+[Note: Extensions on the parameter-major layout]
+A ``RaggedShard`` group gathers its flat buffer as it is: the output is the
+group's ``W * S`` buffer, and every unsharded parameter views it at its
+plan's start (see [Note: The parameter-major layout] in ragged.py). A
+parameter with all-gather hooks (e.g. ``fsdp2.quant.gather_fp8_tiles``)
+sends what its pre hook returns instead of its rows, so each rank's block of
+the one collective holds
+
+- the rows of the parameters without hooks, back to back in registration
+  order, then zeros up to the largest rank's total (every rank knows every
+  rank's rows from the plan, so no sizes are exchanged);
+- each hooked parameter's inputs, which must have the same size on every
+  rank (ranks hold different rows here: a hook pads to the largest rank's,
+  ``max_local_rows``).
+
+After the collective the plain rows are copied to their places in the
+``W * S`` buffer, and each post hook fills its parameter's view of that
+buffer (``out=``; the unsharded parameter is part of the group's buffer from
+the first gather on, so the post hook is always called with ``out``). A
+hooked parameter's own rows are not sent at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..storage.param import FSDPParam
+from ..storage.ragged import RaggedRows
+from . import staged_collectives
+from .staged_collectives import StagedAllGather
+
+
+def max_local_rows(layout: RaggedRows) -> int:
+    """The most rows any rank holds of the parameter: what its hook inputs are padded to."""
+    bounds = layout.row_bounds
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _rows(layout: RaggedRows, rank: int) -> int:
+    return layout.row_bounds[rank + 1] - layout.row_bounds[rank]
+
+
+def plain_numels(fsdp_params: list[FSDPParam], world_size: int) -> list[int]:
+    """Per rank, the elements of the parameters without hooks that the rank holds."""
+    plain = [p.layout for p in fsdp_params if p.extension is None]
+    return [sum(_rows(lay, r) * lay.row_numel for lay in plain) for r in range(world_size)]
+
+
+def all_gather(
+    fsdp_params: list[FSDPParam],
+    slots: list[torch.Tensor],
+    hook_inputs: dict[int, list[torch.Tensor]],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    async_op: bool,
+    skip_collective: bool,
+) -> StagedAllGather:
+    """Gather the plain rows (``slots``, cast to ``dtype``) and the hooks' inputs in one collective.
+
+    ``hook_inputs``: the pre hooks' flat inputs by parameter index.
+    """
+    plain = [
+        slot.to(dtype) for p, slot in zip(fsdp_params, slots) if p.extension is None
+    ]
+    numels = plain_numels(fsdp_params, world_size)
+    padding = max(numels) - numels[rank]
+    device = slots[0].device if slots else torch.device("cpu")
+    pieces = [*plain, torch.zeros(padding, dtype=dtype, device=device)]
+    inputs = [pieces] + [hook_inputs[i] for i in sorted(hook_inputs)]
+    return staged_collectives.all_gather(
+        fsdp_params, inputs, group, rank, world_size, None, async_op, skip_collective
+    )
+
+
+def copy_out(
+    staged: StagedAllGather, fsdp_params: list[FSDPParam], output: torch.Tensor, world_size: int
+) -> None:
+    """Plain rows into ``output`` (the group's ``W * S`` buffer); hook outputs into their buffers."""
+    hooked = [p for p in fsdp_params if p.extension is not None]
+    most = max(plain_numels(fsdp_params, world_size))
+    plain = output.new_empty(world_size * most)
+    outs = [plain]
+    for p, ins in zip(hooked, staged.inputs[1:]):
+        outs.extend(p.extension.alloc_outputs(ins, world_size))
+    if staged.output.dtype == torch.uint8:
+        outs = [o.view(torch.uint8) for o in outs]
+    torch.split_with_sizes_copy(
+        staged.output.view(world_size, -1),
+        [o.numel() // world_size for o in outs],
+        dim=1,
+        out=[o.view(world_size, -1) for o in outs],
+    )
+    blocks = plain.view(world_size, most)
+    layouts = [p.layout for p in fsdp_params if p.extension is None]
+    for r in range(world_size):
+        at = 0
+        for lay in layouts:
+            n = _rows(lay, r) * lay.row_numel
+            if n:
+                start = lay.start + lay.row_bounds[r] * lay.row_numel
+                output[start : start + n].copy_(blocks[r, at : at + n])
+                at += n
