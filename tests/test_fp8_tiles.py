@@ -84,11 +84,11 @@ def _tile_major(p):
     return fsdp2.RaggedShard((TILE, TILE)) if p.dim() == 2 else fsdp2.RaggedShard()
 
 
-def _sharded(mp_policy=None, mesh=None, placement_fn=None):
+def _sharded(mp_policy=None, mesh=None, placement_fn=None, **extra):
     torch.manual_seed(5)
     ref = _Net()
     model = copy.deepcopy(ref)
-    kwargs = {"mesh": mesh or cpu_mesh(), "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {"mesh": mesh or cpu_mesh(), "mp_policy": mp_policy or MixedPrecisionPolicy(), **extra}
     if placement_fn is not None:
         kwargs["shard_placement_fn"] = placement_fn
     for layer in (model.a, model.b):
@@ -114,11 +114,12 @@ def _gathered_weights(model) -> dict[str, torch.Tensor]:
 
 
 def _quantize_after_gather(rank, world_size):
-    configs = [(None, None), (MixedPrecisionPolicy(param_dtype=torch.bfloat16), None)]
-    if world_size == 4:  # HSDP: the tiles of the shard dim's rows, replicas alike
-        configs.append((None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))))
-    for mp, mesh in configs:
-        ref, model = _sharded(mp, mesh)
+    configs = [(None, None, None), (MixedPrecisionPolicy(param_dtype=torch.bfloat16), None, None)]
+    if world_size == 4:  # HSDP: the tiles of the shard dim's rows, replicas alike (both layouts)
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        configs += [(None, hsdp, None), (None, hsdp, _tile_major)]
+    for mp, mesh, placement_fn in configs:
+        ref, model = _sharded(mp, mesh, placement_fn)
         dtype = torch.float32 if mp is None else torch.bfloat16
         with log_collectives() as log:
             seen = _gathered_weights(model)
@@ -136,8 +137,10 @@ def _quantize_after_gather_param_major(rank, world_size):
     """RaggedShard((128, 128)): every rank's rows start at a tile boundary at any W (dim-0
     chunks of 512 rows cut tiles at W = 3), each rank sends its own rows' tiles, padded
     with zero rows to the largest rank's, and the weight is quantize-after-gather's."""
-    for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)):
-        ref, model = _sharded(mp, placement_fn=_tile_major)
+    offload = {"offload_policy": fsdp2.CPUOffloadPolicy()}
+    for mp, extra in ((None, {}), (MixedPrecisionPolicy(param_dtype=torch.bfloat16), {}),
+                      (None, offload)):
+        ref, model = _sharded(mp, placement_fn=_tile_major, **extra)
         dtype = torch.float32 if mp is None else torch.bfloat16
         with log_collectives() as log:
             seen = _gathered_weights(model)
