@@ -51,14 +51,17 @@ def _mesh(replicate: int = 2, shard: int = 2):
     return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def _pair(base, mesh, make, *, mp_policy=None, **opt_kw):
+def _pair(base, mesh, make, *, mp_policy=None, placement_fn=None, **opt_kw):
     """(plain model, its optimizer, its handle), the same for the option.
 
     ``base``: a seed, or a model to copy (thread ranks share the default RNG).
+    ``placement_fn``: ``shard_placement_fn`` of both (the parameter-major layout).
     """
     if isinstance(base, int):
         base = build_transformer(seed=base)
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if placement_fn is not None:
+        kwargs["shard_placement_fn"] = placement_fn
     out = []
     for sharded in (False, True):
         model = shard_transformer(copy.deepcopy(base), fully_shard, mesh=mesh, **kwargs)
@@ -238,6 +241,38 @@ def _state_dict_round_trip(rank, world_size):
         _assert_equal(expected, _fulls(m, handle))
 
 
+def _param_major(rank, world_size):
+    """RaggedShard slices alike: bit-identical to plain HSDP on that layout with 1/R of the
+    state; its state dict (gathered across replicas, ragged placements) saved with DCP loads
+    into dim-0 plain HSDP, which then trains on exactly as the ragged run does."""
+    ragged = lambda p: fsdp2.RaggedShard()  # noqa: E731
+    _check_parity(rank, world_size, 11, (2, 2), OPTIMS["adamw"], placement_fn=ragged)
+    mesh = _mesh()
+    (plain, p_opt, p_h), (model, opt, h) = _pair(15, mesh, OPTIMS["adamw"], placement_fn=ragged)
+    for m, o in ((plain, p_opt), (model, opt)):
+        _train(m, o, rank, world_size, 2)
+    ms, mo = get_state_dict(model, opt)
+    _, po = get_state_dict(plain, p_opt)
+    for fqn, values in po["state"].items():
+        for key, v in values.items():
+            w = mo["state"][fqn][key]
+            if isinstance(v, DTensor):
+                assert isinstance(w.placements[-1], fsdp2.RaggedShard), (fqn, key, w.placements)
+                assert w.placements == v.placements and torch.equal(v.to_local(), w.to_local())
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder[0] + "/ragged")
+    (dim0, d_opt, d_h), _ = _pair(16, mesh, OPTIMS["adamw"])
+    _train(dim0, d_opt, rank, world_size, 1)  # state to load into
+    s, os_ = get_state_dict(dim0, d_opt)
+    loaded = {"model": s, "optim": os_}
+    dcp.load(loaded, checkpoint_id=folder[0] + "/ragged")
+    set_state_dict(dim0, d_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for m, o in ((model, opt), (dim0, d_opt)):
+        _train(m, o, rank, world_size, 2, first=2)
+    _assert_equal(_fulls(model, h), _fulls(dim0, d_h))
+
+
 def _remove(rank, world_size):
     """handle.remove() gathers the slices' state back: plain HSDP from there, bit-identical."""
     (plain, p_opt, p_h), (model, opt, h) = _pair(23, _mesh(), OPTIMS["adamw"])
@@ -318,7 +353,13 @@ CASES = {
     "state_dict": _state_dict_round_trip,
     "remove": _remove,
     "refusals": _refusals,
+    "param_major": _param_major,
 }
+
+
+def test_parameter_major_layout(launch_cases):
+    """RaggedShard groups: bitwise to plain HSDP on them; DCP into dim-0 plain HSDP."""
+    check_case(launch_cases(4, CASES), "param_major")
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])

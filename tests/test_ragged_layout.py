@@ -372,12 +372,6 @@ def _refusals(rank, world_size):
     with pytest.raises(ValueError, match="one fully_shard call is parameter-major or dim-0"):
         fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=mixed)
     if world_size == 4:
-        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        sharded = build_transformer(seed=27)
-        shard_transformer(sharded, fully_shard, mesh=hsdp, shard_placement_fn=_ragged("rows"))
-        with pytest.raises(NotImplementedError, match="parameter-major group"):
-            fsdp2.enable_local_shard_step(torch.optim.AdamW(sharded.parameters()),
-                                          shard_across_replicas=True)
         spmd = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
             fully_shard(model.layers[0], mesh=spmd, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"),

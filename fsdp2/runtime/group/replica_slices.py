@@ -34,6 +34,11 @@ backend may sum in another order (within one rounding).
 A group whose gradients do not cover the whole buffer (frozen parameters in
 it) keeps the all-reduce (every slice is then exact too) and is still stepped
 in slices and gathered.
+
+The parameter-major layout slices the same way: its flat buffer is the
+rank's ``S`` elements of the plan (whole parameters with gaps between), its
+reduce-scattered gradient has the same layout, and the flat runs step their
+parameters' elements in the slice, gaps skipped (flat_run.py).
 """
 
 from __future__ import annotations
@@ -148,12 +153,6 @@ def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
             f"shard_across_replicas=True needs HSDP: a 2-D (replicate, shard) mesh; parameter "
             f"{name} is on a {mesh.ndim}-D mesh with placements {tuple(placements)}. With a 1-D "
             "mesh the optimizer state is already sharded over every rank: drop the option"
-        )
-    if flat.order.param_major:
-        raise NotImplementedError(
-            f"shard_across_replicas=True: parameter {name} is in a parameter-major group "
-            "(RaggedShard), whose replica slices are not built yet; shard its module without "
-            "RaggedShard, or drop the option"
         )
     if flat.layout.mixed:
         raise NotImplementedError(
