@@ -8,7 +8,9 @@ prints per rank: bytes copied outside the collectives in one step (the
 counter of instruments.py; the all-gather side and the reduce-scatter side
 apart), bytes communicated (against the analytic figure: every group's
 padded parameters gathered twice and reduced once), the peak of live bytes,
-and the median step time over interleaved steps (the slowest rank's). The
+and the median step time over interleaved steps (the slowest rank's); then
+the peak of live bytes at the first step and around a DCP save and load of
+the model and optimizer state dicts (a second table). The
 parameter-major layout is ``shard_placement_fn=lambda p: RaggedShard()``
 on every call (docs/layouts.md).
 """
@@ -114,7 +116,48 @@ def body(rank: int, world_size: int, cfg: dict) -> dict:
                 out[(mp, layout)]["peak"] = live.peak
                 del model, optim
                 gc.collect()
+        for layout in LAYOUTS:
+            out[(mp, layout)].update(_peaks_around(layout, shape, mp, rank, cfg))
+            gc.collect()
     return out
+
+
+def _peaks_around(layout: str, shape: dict, mp: bool, rank: int, cfg: dict) -> dict:
+    """Peak live bytes of the first step (lazy init and the optimizer's state included), of a
+    DCP save of the model and optimizer state dicts, and of loading them back."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = [tempfile.mkdtemp(prefix="bench_layouts_") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    peaks = {}
+    with LiveBytes() as live:
+        model, optim = _build(layout, shape, mp)
+        live.reset_peak()
+        _step(model, optim, 0, rank, shape, cfg)
+        peaks["first_step_peak"] = live.peak
+        live.reset_peak()
+        msd, osd = get_state_dict(model, optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder[0])
+        del msd, osd
+        peaks["save_peak"] = live.peak
+        live.reset_peak()
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=folder[0])
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        del msd, osd, state
+        peaks["load_peak"] = live.peak
+        del model, optim
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(folder[0], ignore_errors=True)
+    return peaks
 
 
 def table(result: dict) -> str:
@@ -137,6 +180,23 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def memory_table(result: dict) -> str:
+    """Peak live bytes per rank at the first step and around a DCP save and load."""
+    rows = [
+        "| precision | layout | first step (MB) | DCP save (MB) | DCP load (MB) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for mp in (False, True):
+        for layout in LAYOUTS:
+            r = result[(mp, layout)]
+            rows.append(
+                f"| {'bf16 / fp32 reduce' if mp else 'fp32'} | {layout} | "
+                f"{r['first_step_peak'] / 1e6:.1f} | {r['save_peak'] / 1e6:.1f} | "
+                f"{r['load_peak'] / 1e6:.1f} |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -145,6 +205,8 @@ def main() -> None:
            "warmup": 2, "steps": 4 if args.quick else 10}
     per_rank = launch(body, 2, cfg, timeout=1800)
     print(table(per_rank[0]))
+    print()
+    print(memory_table(per_rank[0]))
     for mp in (False, True):
         for layout in LAYOUTS:
             ops = per_rank[0][(mp, layout)]["copy_ops"]
