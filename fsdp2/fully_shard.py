@@ -292,8 +292,10 @@ def _ragged_rows(
         bad = next((p for p in params if isinstance(p, DTensor) or p.dim() == 0
                     or needs_own_shard(p)), None)
         if bad is not None:
-            refusal = ("tensor-parallel (DTensor), 0-d or all-gather-extension parameters "
-                       f"('{names[bad]}')")
+            refusal = ("tensor-parallel (DTensor), 0-d or tensor-subclass parameters with "
+                       f"all-gather hooks ('{names[bad]}': a subclass shards itself with "
+                       "torch.chunk's rows; hooks bound onto the local tensor after fully_shard "
+                       "work)")
     if refusal is not None:
         raise FSDPNotImplementedError(
             f"RaggedShard for '{first}': the parameter-major layout does not support "

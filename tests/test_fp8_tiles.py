@@ -12,6 +12,8 @@ fp8 all-gather] in fsdp2/quant/fp8_tiles.py.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -197,6 +199,15 @@ def _bad_input(rank, world_size):
         fully_shard(odd, mesh=cpu_mesh())
         with pytest.raises(ValueError, match=r"'0.weight' has 320 rows, 80 per rank at W=4"):
             gather_fp8_tiles(odd)
+    # a tensor subclass with hooks shards itself with torch.chunk: refused on RaggedShard
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    from int8_all_gather import Int8Weight
+
+    sub = nn.Linear(64, 128, bias=False)
+    sub.weight = nn.Parameter(Int8Weight.from_float(sub.weight), requires_grad=False)
+    with pytest.raises(NotImplementedError, match=r"tensor-subclass parameters with all-gather "
+                                                  r"hooks \('weight': a subclass shards itself"):
+        fully_shard(sub, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
     if world_size > 1:  # whole rows of 320: a rank boundary inside a tile at W = 2, 3, 4
         rows = nn.Sequential(nn.Linear(64, 320, bias=False))
         fully_shard(rows, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())

@@ -12,8 +12,8 @@ the one collective holds
   order, then zeros up to the largest rank's total (every rank knows every
   rank's rows from the plan, so no sizes are exchanged);
 - each hooked parameter's inputs, which must have the same size on every
-  rank (ranks hold different rows here: a hook pads to the largest rank's,
-  ``max_local_rows``).
+  rank (ranks hold different rows here: a hook pads to the largest rank's
+  rows, read from its placement's ``row_bounds``).
 
 After the collective the plain rows are copied to their places in the
 ``W * S`` buffer, and each post hook fills its parameter's view of that
@@ -33,12 +33,6 @@ from . import staged_collectives
 from .staged_collectives import StagedAllGather
 
 
-def max_local_rows(layout: RaggedRows) -> int:
-    """The most rows any rank holds of the parameter: what its hook inputs are padded to."""
-    bounds = layout.row_bounds
-    return max(b - a for a, b in zip(bounds, bounds[1:]))
-
-
 def _rows(layout: RaggedRows, rank: int) -> int:
     return layout.row_bounds[rank + 1] - layout.row_bounds[rank]
 
@@ -51,9 +45,10 @@ def plain_numels(fsdp_params: list[FSDPParam], world_size: int) -> list[int]:
 
 def all_gather(
     fsdp_params: list[FSDPParam],
-    slots: list[torch.Tensor],
+    slots: list[torch.Tensor | None],
     hook_inputs: dict[int, list[torch.Tensor]],
     dtype: torch.dtype,
+    device: torch.device,
     group: dist.ProcessGroup,
     rank: int,
     world_size: int,
@@ -62,14 +57,12 @@ def all_gather(
 ) -> StagedAllGather:
     """Gather the plain rows (``slots``, cast to ``dtype``) and the hooks' inputs in one collective.
 
+    ``slots``: the parameters' rows on the device, ``None`` for a hooked one;
     ``hook_inputs``: the pre hooks' flat inputs by parameter index.
     """
-    plain = [
-        slot.to(dtype) for p, slot in zip(fsdp_params, slots) if p.extension is None
-    ]
+    plain = [slot.to(dtype) for slot in slots if slot is not None]
     numels = plain_numels(fsdp_params, world_size)
     padding = max(numels) - numels[rank]
-    device = slots[0].device if slots else torch.device("cpu")
     pieces = [*plain, torch.zeros(padding, dtype=dtype, device=device)]
     inputs = [pieces] + [hook_inputs[i] for i in sorted(hook_inputs)]
     return staged_collectives.all_gather(

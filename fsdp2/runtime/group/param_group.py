@@ -377,11 +377,14 @@ class FSDPParamGroup:
             if self.offload:
                 local = local.to(self.device, non_blocking=True)
             hook_inputs[i] = p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, None, p.fqn)
-        slots = [self._slot(i).to(self.device, non_blocking=self._flat.pin_memory)
-                 for i in range(len(self.fsdp_params))]
+        slots = [  # the rows of the parameters without hooks (a hooked one sends its inputs)
+            None if p.extension is not None
+            else self._slot(i).to(self.device, non_blocking=self._flat.pin_memory)
+            for i, p in enumerate(self.fsdp_params)
+        ]
         self.step.pending_staged = ragged_staged.all_gather(
             self.fsdp_params, slots, hook_inputs, self.dtypes.param or self.layout.dtype,
-            self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
+            self.device, self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
             self.mesh_info.shard_mesh_size, async_op, skip_collective=self.alone,
         )
         if not async_op:
