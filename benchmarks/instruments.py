@@ -30,6 +30,7 @@ import collections
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -188,8 +189,8 @@ class LiveBytes(TorchDispatchMode):
     def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
         if isinstance(t, DTensor):
             t = t._local_tensor
-        if t.device.type == "meta":
-            return None
+        if t.device.type == "meta" or isinstance(t, FakeTensor):
+            return None  # (DTensor's sharding propagation computes on fake tensors: no memory)
         st = t.untyped_storage()
         return st if st.resizable() else self._owner(st)
 
