@@ -28,6 +28,8 @@ import fsdp2
 from fsdp2 import MixedPrecisionPolicy, fully_shard
 from fsdp2.quant import dequantize_tiles, gather_fp8_tiles, quantize_tiles
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+
 pytestmark = fsdp2_only  # fsdp2's own recipe
 
 TILE = 128
@@ -200,8 +202,7 @@ def _bad_input(rank, world_size):
         with pytest.raises(ValueError, match=r"'0.weight' has 320 rows, 80 per rank at W=4"):
             gather_fp8_tiles(odd)
     # a tensor subclass with hooks shards itself with torch.chunk: refused on RaggedShard
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-    from int8_all_gather import Int8Weight
+    from int8_all_gather import Int8Weight  # examples/, on the path (see the imports)
 
     sub = nn.Linear(64, 128, bias=False)
     sub.weight = nn.Parameter(Int8Weight.from_float(sub.weight), requires_grad=False)

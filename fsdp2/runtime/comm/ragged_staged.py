@@ -24,6 +24,8 @@ hooked parameter's own rows are not sent at all.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -37,10 +39,26 @@ def _rows(layout: RaggedRows, rank: int) -> int:
     return layout.row_bounds[rank + 1] - layout.row_bounds[rank]
 
 
-def plain_numels(fsdp_params: list[FSDPParam], world_size: int) -> list[int]:
-    """Per rank, the elements of the parameters without hooks that the rank holds."""
-    plain = [p.layout for p in fsdp_params if p.extension is None]
-    return [sum(_rows(lay, r) * lay.row_numel for lay in plain) for r in range(world_size)]
+@functools.lru_cache(maxsize=256)
+def _plain_copies(layouts: tuple[RaggedRows, ...], world_size: int) -> tuple[list[int], list[tuple]]:
+    """Per rank, the plain rows it sends; and each ``(rank, at in its block, start, numel)`` copy.
+
+    Made once per group layout: the gathers of later steps reuse it.
+    """
+    numels, copies = [], []
+    for r in range(world_size):
+        at = 0
+        for lay in layouts:
+            n = _rows(lay, r) * lay.row_numel
+            if n:
+                copies.append((r, at, lay.start + lay.row_bounds[r] * lay.row_numel, n))
+                at += n
+        numels.append(at)
+    return numels, copies
+
+
+def _plain_layouts(fsdp_params: list[FSDPParam]) -> tuple[RaggedRows, ...]:
+    return tuple(p.layout for p in fsdp_params if p.extension is None)
 
 
 def all_gather(
@@ -61,7 +79,7 @@ def all_gather(
     ``hook_inputs``: the pre hooks' flat inputs by parameter index.
     """
     plain = [slot.to(dtype) for slot in slots if slot is not None]
-    numels = plain_numels(fsdp_params, world_size)
+    numels, _ = _plain_copies(_plain_layouts(fsdp_params), world_size)
     padding = max(numels) - numels[rank]
     pieces = [*plain, torch.zeros(padding, dtype=dtype, device=device)]
     inputs = [pieces] + [hook_inputs[i] for i in sorted(hook_inputs)]
@@ -74,27 +92,14 @@ def copy_out(
     staged: StagedAllGather, fsdp_params: list[FSDPParam], output: torch.Tensor, world_size: int
 ) -> None:
     """Plain rows into ``output`` (the group's ``W * S`` buffer); hook outputs into their buffers."""
-    hooked = [p for p in fsdp_params if p.extension is not None]
-    most = max(plain_numels(fsdp_params, world_size))
+    numels, copies = _plain_copies(_plain_layouts(fsdp_params), world_size)
+    most = max(numels)
     plain = output.new_empty(world_size * most)
     outs = [plain]
+    hooked = [p for p in fsdp_params if p.extension is not None]
     for p, ins in zip(hooked, staged.inputs[1:]):
         outs.extend(p.extension.alloc_outputs(ins, world_size))
-    if staged.output.dtype == torch.uint8:
-        outs = [o.view(torch.uint8) for o in outs]
-    torch.split_with_sizes_copy(
-        staged.output.view(world_size, -1),
-        [o.numel() // world_size for o in outs],
-        dim=1,
-        out=[o.view(world_size, -1) for o in outs],
-    )
+    staged_collectives.split_blocks(staged.output, outs, world_size)
     blocks = plain.view(world_size, most)
-    layouts = [p.layout for p in fsdp_params if p.extension is None]
-    for r in range(world_size):
-        at = 0
-        for lay in layouts:
-            n = _rows(lay, r) * lay.row_numel
-            if n:
-                start = lay.start + lay.row_bounds[r] * lay.row_numel
-                output[start : start + n].copy_(blocks[r, at : at + n])
-                at += n
+    for r, at, start, n in copies:
+        output[start : start + n].copy_(blocks[r, at : at + n])

@@ -130,10 +130,15 @@ def copy_out(staged: StagedAllGather, fsdp_params: list[FSDPParam], world_size: 
             outs.extend(p.extension.alloc_outputs(ins, world_size))
         else:
             outs.append(p.alloc_unsharded())
-    if staged.output.dtype == torch.uint8:
+    split_blocks(staged.output, outs, world_size)
+
+
+def split_blocks(output: torch.Tensor, outs: list[torch.Tensor], world_size: int) -> None:
+    """Each rank's block of ``output`` cut into ``outs`` in order (each ``W`` times its piece)."""
+    if output.dtype == torch.uint8:
         outs = [o.view(torch.uint8) for o in outs]
     torch.split_with_sizes_copy(
-        staged.output.view(world_size, -1),
+        output.view(world_size, -1),
         [o.numel() // world_size for o in outs],
         dim=1,
         out=[o.view(world_size, -1) for o in outs],
