@@ -23,6 +23,7 @@ from .errors import FSDPAssertionError, FSDPNotImplementedError
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .runtime.comm.comm_context import CommContext
 from .runtime.common.mixed_precision import keeps_own_dtype
+from .runtime.group.arenas import join_arenas
 from .runtime.group.param_group import FSDPParamGroup
 from .runtime.hooks.state import FSDPState, state_of
 from .runtime.meshes.dp_mesh_dims import (
@@ -194,6 +195,8 @@ def fully_shard(
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
     )
+    # The groups under this call share arenas from now on: see [Note: Arenas] in arena.py
+    join_arenas(_groups_under(modules))
     for m in modules:
         cls = m.__class__
         fsdp_cls = _fsdp_classes.get(cls)
@@ -204,6 +207,18 @@ def fully_shard(
         m.__class__ = fsdp_cls
         mark_composable_api(m)  # e.g. torch's replicate() then leaves these parameters to us
     return module
+
+
+def _groups_under(modules: tuple[nn.Module, ...]) -> list[FSDPParamGroup]:
+    """Every group of the states on ``modules`` and their submodules, once, in module order."""
+    seen: dict[int, FSDPParamGroup] = {}
+    for m in modules:
+        for sub in m.modules():
+            state = state_of(sub)
+            if state is not None:
+                for group in state.param_groups:
+                    seen.setdefault(id(group), group)
+    return list(seen.values())
 
 
 def _make_group(

@@ -24,6 +24,7 @@ from .errors import FSDPAssertionError
 from .handles import GradientReductionHandle, UnshardHandle, group_unshard_handle, reduction_handle
 from .runtime.comm.comm_memory import use_process_group_memory, use_symm_mem
 from .runtime.comm.staged_collectives import AllGather, ReduceScatter, check_comm
+from .runtime.group.arenas import materialize_in_arenas
 from .runtime.group.param_group import FSDPParamGroup
 from .runtime.hooks.state import FSDPState, state_of
 from .runtime.meshes.param_meshes import check_one_group
@@ -502,20 +503,25 @@ class FSDPModule:
         return result
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Any:
-        """``nn.Module.to_empty``, allocating each FSDP group's shards in one buffer.
+        """``nn.Module.to_empty``, allocating the FSDP groups' shards in one buffer per mesh and dtype.
 
-        Every group whose modules all lie under this one gets one
-        uninitialized flat buffer on ``device`` that its sharded parameters
-        view (what they would otherwise become at the first forward, with a
-        copy); everything else is moved as ``nn.Module.to_empty`` does.
+        The groups whose modules all lie under this one get their flat buffers
+        as slices of one uninitialized allocation on ``device`` (an arena, see
+        [Note: Arenas] in runtime/storage/arena.py) that their sharded
+        parameters view (what they would otherwise become at the first
+        forward, with a copy); everything else is moved as
+        ``nn.Module.to_empty`` does.
         """
         placed: set[nn.Parameter] = set()
         inside = set(self.modules()) if recurse else set()
         if recurse:
+            whole = []
             for group in self._groups(recurse=True):
                 owners = {m for p in group.fsdp_params for m, _ in p.module_infos}
                 if owners.union(group.modules) <= inside:
-                    placed |= group.materialize_empty(torch.device(device))
+                    whole.append(group)
+            # one allocation per mesh and dtype: see [Note: Arenas] in arena.py
+            placed = materialize_in_arenas(whole, torch.device(device))
         # nn.Module._apply would rebuild each placed parameter: hide them from it.
         hidden = [
             (m, name, p) for m in inside for name, p in m._parameters.items() if p in placed

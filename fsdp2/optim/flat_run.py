@@ -113,10 +113,13 @@ class FlatRun:
     what the optimizer steps (see the note on pieces).
     """
 
-    def __init__(self, params: list[DTensor], buffer: torch.Tensor, starts: list[int], stop: int):
+    def __init__(self, params: list[DTensor], home: Any, starts: list[int], stop: int):
+        """``home``: the layout the slots lie in (``FlatSlot.home`` or ``.group``);
+        ``starts`` / ``stop``: the slots' bounds in ``home.buffer``'s elements."""
         local0 = local_tensor(params[0])
         self.params = params
-        self.buffer = buffer
+        self.home = home
+        self.buffer = buffer = home.buffer
         dtype = local0.dtype
         region = buffer[starts[0] : stop]
         self.flat = region if region.dtype == dtype else region.view(dtype)
@@ -146,11 +149,12 @@ class FlatRun:
         self.grad_was_view = False
 
     def still_flat(self) -> bool:
+        if self.home.buffer is not self.buffer:  # re-allocated, or a group left the arena
+            return False
         local = local_tensor(self.params[0])
-        if local.numel():  # a re-allocated buffer moves every local tensor
+        if local.numel():
             return local.data_ptr() == self.flat.data_ptr()
-        slot = flat_slot_of(self.params[0])
-        return slot is not None and slot.buffer is self.buffer
+        return flat_slot_of(self.params[0]) is not None
 
     # ---- gradients ------------------------------------------------------------
 

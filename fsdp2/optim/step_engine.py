@@ -170,7 +170,8 @@ class StepEngine:
         plan = self.plans.get(id(group))
         if plan is None or not plan.holds(group["params"]):
             flat = self.flat and not group.get("differentiable", False)
-            plan = plan_group(group["params"], flat)
+            # replica slices cut each group's buffer: their runs stay inside one
+            plan = plan_group(group["params"], flat, across_groups=self.replicas is None)
             self.plans[id(group)] = plan
         return plan
 

@@ -140,13 +140,18 @@ class GroupPlan:
         return self.param_ids == tuple(map(id, params)) and all(r.still_flat() for r in self.runs)
 
 
-def plan_group(params: list, flat: bool) -> GroupPlan:
-    """Cut one param group's parameters into flat runs (``flat``) and leftovers."""
-    runs, leftovers = plan_runs(params) if flat else ([], list(params))
+def plan_group(params: list, flat: bool, across_groups: bool = True) -> GroupPlan:
+    """Cut one param group's parameters into flat runs (``flat``) and leftovers.
+
+    ``across_groups``: a run may span the buffers of several fsdp2 groups
+    that lie side by side in one arena (see [Note: Arenas] in
+    runtime/storage/arena.py); otherwise each run stays in one group's buffer.
+    """
+    runs, leftovers = plan_runs(params, across_groups) if flat else ([], list(params))
     return GroupPlan(tuple(map(id, params)), runs, leftovers)
 
 
-def plan_runs(params: list) -> tuple[list[FlatRun], list]:
+def plan_runs(params: list, across_groups: bool = True) -> tuple[list[FlatRun], list]:
     """Split one param group's parameters into flat runs and leftovers (stepped per parameter).
 
     Runs come in the order of their buffers' first parameter in ``params``, so
@@ -159,27 +164,28 @@ def plan_runs(params: list) -> tuple[list[FlatRun], list]:
         slot = flat_slot_of(p) if isinstance(p, DTensor) else None
         if slot is None:
             leftovers.append(p)
-        else:
-            order = first_seen.setdefault(id(slot.buffer), i)
-            placed.append((order, slot.start, p, slot))
+            continue
+        home, start = (slot.home, slot.home_start) if across_groups else (slot.group, slot.start)
+        order = first_seen.setdefault(id(home.buffer), i)
+        placed.append((order, start, p, home, start + slot.stop - slot.start))
     placed.sort(key=lambda e: (e[0], e[1]))
     runs: list[FlatRun] = []
     current: list = []
 
     def close() -> None:
         if current:
-            first = current[0][3]
-            starts = [e[3].start for e in current]
-            runs.append(FlatRun([e[2] for e in current], first.buffer, starts, current[-1][3].stop))
+            home = current[0][3]
+            starts = [e[1] for e in current]
+            runs.append(FlatRun([e[2] for e in current], home, starts, current[-1][4]))
             current.clear()
 
     for entry in placed:
-        _, _, p, slot = entry
+        _, start, p, home, _ = entry
         if current:
-            _, _, prev, prev_slot = current[-1]
+            _, _, prev, prev_home, prev_stop = current[-1]
             if (
-                prev_slot.buffer is not slot.buffer
-                or prev_slot.stop != slot.start
+                prev_home is not home
+                or prev_stop != start
                 or local_tensor(prev).dtype != local_tensor(p).dtype
                 or prev.requires_grad != p.requires_grad
             ):

@@ -126,6 +126,7 @@ class FSDPParamGroup:
         self.reduction = GradientReduction(
             fsdp_params, mesh_info, device, lambda: self.dtypes, comm_ctx,
             alone=self.alone, offload=self.offload, pin_memory=pin_memory, order=self.order,
+            gradient_slot=self._flat.gradient_slot,
         )
 
     # ---- settings (FSDPModule's setters) -------------------------------------------
@@ -194,13 +195,14 @@ class FSDPParamGroup:
         if (force or self._flat.needs_adoption) and self._flat.adopt():
             self._init_dtypes()
 
-    def materialize_empty(self, device: torch.device) -> set[nn.Parameter]:
-        """``to_empty(device)`` for the whole group at once; returns the parameters it placed."""
-        self.reshard()
-        placed = self._flat.materialize_empty(device)
-        if placed:
-            self._init_dtypes()
-        return placed
+    def layout_changed(self) -> None:
+        """The flat buffer was laid out again (``to_empty`` in an arena): resolve the dtypes."""
+        self._init_dtypes()
+
+    @property
+    def flat_shard(self) -> FlatShard:
+        """The group's flat buffer and the parameters viewing it."""
+        return self._flat
 
     def check_dtypes(self) -> None:
         """Fail clearly unless the trainable parameters share one dtype.
@@ -639,6 +641,7 @@ class FSDPParamGroup:
         All-gathers prefetched for a use that never came are dropped.
         """
         self.reduction.wait_for_grad_offload()
+        self._flat.release_gradients()  # see [Note: Arenas] in arena.py
         self.step.training_state = TrainingState.IDLE
         self.step.post_forward_indices.clear()
         if self.settings.reshard_after_backward or not self.step.is_unsharded:

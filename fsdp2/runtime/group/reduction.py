@@ -134,8 +134,12 @@ class GradientReduction:
         offload: bool,
         pin_memory: bool,
         order: BufferOrder,
+        gradient_slot: Callable[[int], torch.Tensor | None] = lambda numel: None,
     ) -> None:
         self.fsdp_params = fsdp_params
+        # The group's slice (of ``numel`` elements) of its arena's gradient buffer, where
+        # reduced gradients may land for good (see [Note: Arenas] in arena.py); None: none
+        self._gradient_slot = gradient_slot
         self.order = order  # where the gradients go (see [Note: Buffer orders] in buffer_order.py)
         self.mesh_info = mesh_info
         self.device = device
@@ -373,7 +377,7 @@ class GradientReduction:
                 return
             comm = effective(self.settings.reduce_scatter_comm) if not identity else None
             encoded = self.settings.grad_comm if not identity else None
-            out = None
+            out = slot = None
             if comm is not None:  # a custom comm allocates both buffers
                 numel = world_size * self.order.shard_numel(fsdp_params)
                 out = comm.allocate((numel,), dtype=reduce_dtype, device=grads[0].device)
@@ -394,7 +398,11 @@ class GradientReduction:
                 group = self.reduce_scatter_group
                 comm(output_tensor=output, input_tensor=rs_input, group=group, op=plan.op)
             else:
-                output = rs_input.new_empty(rs_input.numel() // world_size)
+                slot = self._final_slot(fsdp_params, rs_input.numel() // world_size, hsdp)
+                output = (
+                    slot if slot is not None and slot.dtype == rs_input.dtype
+                    else rs_input.new_empty(rs_input.numel() // world_size)
+                )
                 collectives.reduce_scatter(output, rs_input, self.reduce_scatter_group, plan.op)
             if self.settings.all_reduce_hook is not None and not hsdp:
                 self._call_all_reduce_hook(output)
@@ -409,10 +417,33 @@ class GradientReduction:
                 _unused_everywhere(self.order.shard_blocks(output, fsdp_params), fsdp_params, filled)
                 if filled else ()
             )
-            output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
+            if slot is not None and slot.device == output.device:
+                if output is not slot:  # the cast to the parameters' dtype lands in the slot
+                    slot.copy_(output)
+                output = slot
+            else:
+                output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
             for p, local in zip(fsdp_params, self.order.sharded_grads(output, fsdp_params)):
                 if p not in unused:
                     p.accumulate_sharded_grad(local)
+
+    def _final_slot(
+        self, fsdp_params: list[FSDPParam], numel: int, hsdp: bool
+    ) -> torch.Tensor | None:
+        """The arena slice these gradients land in for good, where they may; see [Note: Arenas].
+
+        Only the whole group's gradients, final this backward (HSDP: the
+        all-reduce on) and with nothing to add to: otherwise they are added or
+        held elsewhere, and a slice once handed out is never written again.
+        """
+        if (
+            len(fsdp_params) != len(self.fsdp_params)
+            or (hsdp and not self.settings.all_reduce_grads)
+            or (self.offload and self.device.type != "cpu")  # copied to the host as before
+            or any(p.sharded_param.grad is not None for p in fsdp_params)
+        ):
+            return None
+        return self._gradient_slot(numel)
 
     def _all_reduce(
         self,

@@ -90,6 +90,7 @@ from ..comm.comm_memory import check_max_input_buffers
 from ..common.mixed_precision import cast_args, cast_floating, input_cast_dtype
 from ..common.profiler_ranges import record_function
 from ..common.tensor_tree import map_tensors, tensors_in
+from ..group.arenas import join_arenas
 from ..group.param_group import FSDPParamGroup
 from ..group.step_state import TrainingState
 from ..storage.ragged import load_rows
@@ -241,6 +242,8 @@ class FSDPState:
                 check_shared_params(named_modules, groups, module_fqns)
                 for state in ctx.all_states:
                     state._lazy_init_group(module_fqns)
+                # buffers the adoptions above re-allocated: see [Note: Arenas] in arena.py
+                join_arenas(groups, fresh_only=True)
                 self.comm_ctx.max_reduce_scatter_inputs = max(
                     g.reduction.settings.reduce_scatter_max_input_buffers for g in groups
                 ) if groups else 1  # one cap over the shared reductions in flight, as upstream

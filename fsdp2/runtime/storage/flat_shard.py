@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -117,12 +117,26 @@ class FlatShard:
         _register_slots(self)
         # Set when the registered parameters may no longer view the buffer.
         self.needs_adoption = False
+        # Re-allocated by an adoption nobody has seen the result of yet (lazy init moves
+        # such buffers into an arena: see [Note: Arenas] in arena.py)
+        self.fresh = False
         # Optimizer state sharded across replicas: see [Note: Replica slices] in replica_slices.py
         self.replica_slices: object | None = None
+        # The arena whose slice ``buffer`` is, if any: see [Note: Arenas] in arena.py
+        self.arena: Any = None
+
+    def pinned_on(self, device: torch.device) -> bool:
+        """Whether a buffer of this group on ``device`` is pinned host memory."""
+        return self.pin_memory and device.type == "cpu"
 
     def _new_buffer(self, device: torch.device, empty: bool = False) -> torch.Tensor:
-        pin = self.pin_memory and device.type == "cpu"
-        return self.layout.new_buffer(device, pin, empty)
+        return self.layout.new_buffer(device, self.pinned_on(device), empty)
+
+    def _set_buffer(self, buffer: torch.Tensor, arena: Any = None) -> None:
+        """Hold ``buffer`` from now on (a slice of ``arena``, if given), leaving any other arena."""
+        if self.arena is not None and self.arena is not arena:
+            self.arena.leave(self)
+        self.buffer, self.arena = buffer, arena
 
     def slot(self, index: int) -> torch.Tensor:
         return self.layout.slot(self.buffer, index)
@@ -149,7 +163,8 @@ class FlatShard:
         dtypes = [t.dtype for t in locals_]
         if self.buffer.device != locals_[0].device or dtypes != self.layout.dtypes or moved:
             self.layout = FlatShardLayout(self.fsdp_params, dtypes, self.order)
-            self.buffer = self._new_buffer(locals_[0].device, empty=True)
+            self._set_buffer(self._new_buffer(locals_[0].device, empty=True))
+            self.fresh = True  # see [Note: Arenas] in arena.py
             self._zero_padding()
         for i, p in enumerate(self.fsdp_params):
             p.rebind_sharded(self.slot(i))
@@ -157,30 +172,67 @@ class FlatShard:
         self.needs_adoption = False
         return True
 
-    def materialize_empty(self, device: torch.device) -> set[nn.Parameter]:
-        """``to_empty`` for the whole group: one uninitialized buffer, every parameter a view.
+    def prepare_empty(self) -> bool:
+        """Whether ``to_empty`` can place the whole group in a new buffer; lays it out if so.
 
-        Returns the parameters it placed (empty if this group takes the
-        general path: extensions, or gradients that ``_apply`` must move).
+        Not where a parameter has an extension or a gradient that ``_apply``
+        must move: those groups take the general path.
         """
         params = self.fsdp_params
         if any(
             p.extension is not None or not p.in_flat or p.sharded_param.grad is not None
             for p in params
         ):
-            return set()
+            return False
         for p in params:
             p.adopt_registered()
         dtypes = [local_tensor(p.sharded_param).dtype for p in params]
         if dtypes != self.layout.dtypes:
             self.layout = FlatShardLayout(params, dtypes, self.order)
-        self.buffer = self._new_buffer(torch.device(device), empty=True)
+        return True
+
+    def place_empty(self, buffer: torch.Tensor, arena: Any) -> set[nn.Parameter]:
+        """After ``prepare_empty``: ``buffer`` (uninitialized, a slice of ``arena`` if given)
+        becomes the group's, every parameter a view of its slot without a copy."""
+        self._set_buffer(buffer, arena)
         self._zero_padding()
-        for i, p in enumerate(params):
+        for i, p in enumerate(self.fsdp_params):
             p.place_sharded(self.slot(i))
         _register_slots(self)
         self.needs_adoption = False
-        return {p.sharded_param for p in params}
+        return {p.sharded_param for p in self.fsdp_params}
+
+    # ---- arenas (see [Note: Arenas] in arena.py) ----------------------------------
+
+    def can_join(self) -> bool:
+        """Whether the buffer can move into an arena: one dtype, real, adopted, not empty."""
+        buffer = self.buffer
+        return (
+            not self.layout.mixed
+            and not self.needs_adoption
+            and not buffer.is_meta
+            and buffer.numel() > 0
+            and self.replica_slices is None  # they cut the buffer they were made on
+        )
+
+    def move_into(self, arena: Any, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` (``arena``'s slice, uninitialized) the group's, keeping every value."""
+        self._set_buffer(buffer, arena)
+        self._zero_padding()
+        for i, p in enumerate(self.fsdp_params):
+            p.rebind_sharded(self.slot(i))
+        self.fresh = False
+
+    def gradient_slot(self, numel: int) -> torch.Tensor | None:
+        """Where this group's reduced gradient (``numel`` elements, laid out as the buffer)
+        may land for good: its slice of the arena's gradient buffer, if it has an arena."""
+        if self.arena is None or numel != self.buffer.numel():
+            return None
+        return self.arena.gradient_slot(self)
+
+    def release_gradients(self) -> None:
+        if self.arena is not None:
+            self.arena.release_gradients()
 
     def _zero_padding(self) -> None:
         # Padding is gathered but never read; zeros keep it deterministic.
@@ -207,6 +259,12 @@ class FlatSlot(NamedTuple):
     start: int
     stop: int
     numel: int
+    group: FlatShard  # ``group.buffer`` is ``buffer`` while the slot holds
+    # The layout the slot lies in, with the slot's start there: its arena (see [Note:
+    # Arenas] in arena.py), else the group's ``FlatShard``. ``home.buffer`` is that layout's
+    # buffer, a new object whenever the layout changes.
+    home: Any
+    home_start: int
 
 
 # id(sharded parameter) -> (weakref to its FlatShard, slot index). No weak reference to
@@ -269,4 +327,8 @@ def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:
     layout = flat.layout
     scale = local.element_size() if layout.mixed else 1
     start = layout.starts[index]
-    return FlatSlot(flat.buffer, start, layout.stops[index], local.numel() * scale)
+    arena = flat.arena
+    home, home_start = (flat, start) if arena is None else (arena, arena.starts[flat] + start)
+    return FlatSlot(
+        flat.buffer, start, layout.stops[index], local.numel() * scale, flat, home, home_start
+    )
