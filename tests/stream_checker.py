@@ -9,8 +9,11 @@ writes (its storages, from its schema's alias info, as torch's CUDA sanitizer
 does) on the stream it was issued on. Memory is tracked by address range, not
 by storage object: fsdp2's sharded parameters own DLPack storages over their
 group's flat buffer (fsdp2/runtime/storage/shard_storage.py), so storages whose ranges
-overlap share one history; a non-resizable (DLPack) storage going away frees
-nothing. Each stream keeps a vector clock; event records copy
+overlap share one allocation's history; a non-resizable (DLPack) storage going
+away frees nothing. Within an allocation each access covers the bytes of the
+tensor it was made through, and only overlapping accesses are ordered against
+each other: the groups of an arena (fsdp2/runtime/storage/arena.py) are slices of
+one allocation that different streams use at once. Each stream keeps a vector clock; event records copy
 it, waits merge it, ``Event.synchronize`` merges it into every later op.
 Collectives are modelled as NCCL runs them: the process group's own stream
 waits for the issuing stream, runs the collective's reads and writes, and the
@@ -91,6 +94,14 @@ class _Access:
     stream: SimStream
     tick: int
     op: str
+    lo: int = 0  # the bytes accessed: [lo, hi)
+    hi: int = 0
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        return self.lo < hi and lo < self.hi
+
+    def inside(self, lo: int, hi: int) -> bool:
+        return lo <= self.lo and self.hi <= hi
 
 
 @dataclass(eq=False)
@@ -101,11 +112,12 @@ class _Region:
     end: int
     alloc: SimStream
     owners: int = 0  # live storages that own the memory (resizable ones)
-    write: dict[int, _Access] = field(default_factory=dict)  # last write, per stream
-    reads: dict[int, _Access] = field(default_factory=dict)  # last read, per stream
+    # the writes and reads no later access covered (see StreamChecker.access)
+    write: list[_Access] = field(default_factory=list)
+    reads: list[_Access] = field(default_factory=list)
 
     def accesses(self) -> list[_Access]:
-        return list(self.write.values()) + list(self.reads.values())
+        return self.write + self.reads
 
 
 class StreamChecker(TorchDispatchMode):
@@ -225,10 +237,8 @@ class StreamChecker(TorchDispatchMode):
                 region.owners += old.owners
                 if old.owners:
                     region.alloc = old.alloc
-                for mine, theirs in ((region.write, old.write), (region.reads, old.reads)):
-                    for sid, acc in theirs.items():
-                        if sid not in mine or mine[sid].tick < acc.tick:
-                            mine[sid] = acc
+                region.write += old.write
+                region.reads += old.reads
             for k, (p, n, r, o) in list(self._seen.items()):
                 if r in overlapping:
                     self._seen[k] = (p, n, region, o)
@@ -271,30 +281,37 @@ class StreamChecker(TorchDispatchMode):
             self._drop(region)
             self._pending_free.setdefault(region.alloc.id, []).append((op, region))
 
-    def access(self, storage: torch.UntypedStorage, write: bool, op: str,
+    def access(self, t: torch.Tensor, write: bool, op: str,
                stream: SimStream | None = None) -> None:
+        """``op`` reads (or writes) the bytes ``t`` covers, on ``stream``."""
         stream = stream or self.current
+        storage = t.untyped_storage()
         region = self._region(storage, stream)
         if region is None:
             return
+        lo, hi = _extent(t)
         tick = self._clocks[stream.id].get(stream.id, 0)
-        here = _Access(stream, tick, op)
-        for last in region.write.values():
-            if not self._ordered(last, stream):
+        here = _Access(stream, tick, op, lo, hi)
+        for last in region.write:
+            if last.overlaps(lo, hi) and not self._ordered(last, stream):
                 self._error(
                     f"'{op}' on {stream} {'writes' if write else 'reads'} memory that "
                     f"'{last.op}' wrote on {last.stream} with no ordering edge"
                 )
         if write:
-            for read in region.reads.values():
-                if not self._ordered(read, stream):
+            for read in region.reads:
+                if read.overlaps(lo, hi) and not self._ordered(read, stream):
                     self._error(
                         f"'{op}' on {stream} writes memory that '{read.op}' read on "
                         f"{read.stream} with no ordering edge"
                     )
-            region.write, region.reads = {stream.id: here}, {}
-        else:
-            region.reads[stream.id] = here
+            # what this write covers is checked (ordered, or reported): it alone stands for it
+            region.write = [a for a in region.write if not a.inside(lo, hi)] + [here]
+            region.reads = [a for a in region.reads if not a.inside(lo, hi)]
+        else:  # a stream's later read of the same bytes stands for its earlier ones
+            region.reads = [
+                a for a in region.reads if a.stream is not stream or not a.inside(lo, hi)
+            ] + [here]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -305,22 +322,22 @@ class StreamChecker(TorchDispatchMode):
         self._tick(stream)
         name = str(func.overloadpacket.__name__)
         schema = func._schema
-        written = set()
+        written = set()  # (storage, bytes) this op writes through its arguments
         for i, arg in enumerate(schema.arguments):
             value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
             if value is None:
                 continue
             is_write = arg.alias_info is not None and arg.alias_info.is_write
             for t in _tensors(value):
-                storage = t.untyped_storage()
                 if is_write:
-                    written.add(storage._cdata)
-                self.access(storage, is_write, name, stream)
+                    written.add((t.untyped_storage()._cdata, _extent(t)))
+                self.access(t, is_write, name, stream)
         for t in _tensors(out):
-            storage = t.untyped_storage()
-            fresh = storage._cdata not in self._seen
-            if fresh or storage._cdata in written:
-                self.access(storage, True, name, stream)
+            key = t.untyped_storage()._cdata
+            if key not in self._seen:  # a new tensor; an in-place result is its argument
+                self.access(t, True, name, stream)
+            elif (key, _extent(t)) not in written and key in {k for k, _ in written}:
+                self.access(t, True, name, stream)
         return out
 
     # ---- collectives, as NCCL runs them -------------------------------------------
@@ -336,9 +353,9 @@ class StreamChecker(TorchDispatchMode):
         pg.wait_stream(issuer)
         self._tick(pg)
         for t in reads:
-            self.access(_base(t).untyped_storage(), False, name, pg)
+            self.access(_base(t), False, name, pg)
         for t in writes:
-            self.access(_base(t).untyped_storage(), True, name, pg)
+            self.access(_base(t), True, name, pg)
         self._paused += 1
         try:
             work = fn(*args, **kwargs)
@@ -431,6 +448,19 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t``'s elements span: from its first to one past its last."""
+    try:
+        lo = t.data_ptr()
+    except RuntimeError:  # no memory of its own: its storage's
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    if t.numel() == 0:
+        return lo, lo
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + span * t.element_size()
 
 
 def _tensors(value) -> list[torch.Tensor]:

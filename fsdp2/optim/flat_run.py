@@ -81,6 +81,7 @@ buffer per key per run; the fused kernel takes the whole list in one call.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -132,7 +133,7 @@ class FlatRun:
         self.bounds: list[tuple[int, int]] = []
         self.pieces: list[torch.Tensor] = []
         self._piece_param: list[int] = []  # per-parameter pieces: each one's parameter
-        self._flat_layout: bool | None = None
+        self._flat_layout: str | None = None
         self.state: dict | None = None
         self.views: list[dict] | None = None
         self._piece_states: list[dict] = []
@@ -213,14 +214,16 @@ class FlatRun:
 
     # ---- state ----------------------------------------------------------------
 
-    def adopt_state(self, state: dict) -> bool:
+    def adopt_state(self, state: dict, entries_unchanged: bool = False) -> bool:
         """Make the run's state agree with the optimizer's per-parameter state.
 
         Returns ``False`` where the run cannot step as one tensor this time
         (some parameters have state and some not, or their scalars differ).
+        ``entries_unchanged``: the caller saw ``state`` hold the same keys and
+        per-parameter dicts (the same objects, in order) as after the last step.
         """
         # See [Note: State the run did not write]
-        if self.views is not None and self._sealed(state):
+        if self.views is not None and self._sealed(state, entries_unchanged):
             return True
         per_param = [state.get(p) for p in self.params]
         if not any(per_param):
@@ -292,20 +295,20 @@ class FlatRun:
         Versions of the scalar views only: the other published tensors are the
         run's own memory (``own_storage``), so a write through them is the run's.
         """
-        values = [v for view in self.views for v in view.values()]
+        values = list(itertools.chain.from_iterable(map(dict.values, self.views)))
         scalars = [v for v in values if isinstance(v, torch.Tensor) and v.dim() == 0]
         self._sealed_values = values
         self._sealed_tensors = scalars
         self._sealed_versions = version_counters(scalars)
 
-    def _sealed(self, state: dict) -> bool:
+    def _sealed(self, state: dict, entries_unchanged: bool) -> bool:
         """Whether ``state`` holds exactly what the run published, unwritten since."""
         if state is not self._state_of:
             return False
         views = self.views
-        if not all(map(operator.is_, map(state.get, self.params), views)):
+        if not entries_unchanged and not all(map(operator.is_, map(state.get, self.params), views)):
             return False
-        values = [v for view in views for v in view.values()]
+        values = list(itertools.chain.from_iterable(map(dict.values, views)))
         return (
             len(values) == len(self._sealed_values)
             and all(map(operator.is_, values, self._sealed_values))
@@ -323,7 +326,11 @@ class FlatRun:
         gradient is one flat tensor (see [Note: Fused kernels step per parameter]).
         """
         flat_grad = isinstance(grad, torch.Tensor)
-        self._use_layout(flat_grad and not per_parameter)
+        if flat_grad and not per_parameter:
+            # a first step makes its state in one piece: no second copy of it (see _use_layout)
+            self._use_layout("whole" if self.state is None else "pieces")
+        else:
+            self._use_layout("per_parameter")
         pieces = self.pieces
         if flat_grad and len(pieces) == 1 and self.bounds[0] == (0, grad.numel()):
             pieces[0].grad = grad
@@ -339,13 +346,23 @@ class FlatRun:
                 state[piece] = piece_state
         return pieces
 
-    def _use_layout(self, flat: bool) -> None:
-        """Pieces over the whole run (``flat``) or within each parameter's slot."""
-        if flat == self._flat_layout:
+    def _use_layout(self, layout: str) -> None:
+        """Cut the run for the optimizer: ``"pieces"`` over the whole run (cache-sized on
+        CPU), ``"per_parameter"`` within each parameter's slot, or ``"whole"``: one piece.
+
+        ``"whole"`` is for a run's first step on CPU: the optimizer then makes
+        each state tensor as one buffer, the run's, where pieces would make one
+        per piece and ``detach`` would copy them into one: state twice over, at
+        once. One piece or several, the update is elementwise: the same bits.
+        """
+        if layout == self._flat_layout:
             return
-        self._flat_layout = flat
-        if flat:
-            self.bounds = _piece_bounds(0, self.flat.numel(), self.flat.device)
+        self._flat_layout = layout
+        numel = self.flat.numel()
+        if layout == "whole":
+            self.bounds, self._piece_param = [(0, numel)], []
+        elif layout == "pieces":
+            self.bounds = _piece_bounds(0, numel, self.flat.device)
             self._piece_param = []
         else:
             self.bounds, self._piece_param = [], []

@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import types
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,7 @@ class StepEngine:
         # ``optimizer.state``'s keys before a step that may create state (see _keep_key_order)
         self._keys_before: list | None = None
         self._new_state = False  # this step may create state (some run's first step, ...)
+        self._entries: _Entries | None = None  # optimizer.state's entries after the last step
         if self.tier.in_units:
             self.after_load(optimizer)  # state the optimizer has already moves into the tier
 
@@ -236,6 +238,7 @@ class StepEngine:
         if self._new_state and self._keys_before is not None:
             _keep_key_order(optimizer, self._keys_before)
         self._keys_before = None
+        self._entries = _Entries(optimizer.state)
 
     def recover(self, *_: Any) -> None:
         """A ``step()`` that raised left stand-ins in the param groups: put the parameters back.
@@ -267,6 +270,7 @@ class StepEngine:
         ``optimizer.state`` before its next step and rebuilds from it
         (``FlatRun.adopt_state``); leftovers read it as it is.
         """
+        self._entries = None  # holds none of the replaced state alive
         if self.replicas is not None:  # the slices take their part now: state_dict() sees it
             self.replicas.after_load(optimizer.state)
         if not self.tier.in_units:
@@ -303,6 +307,9 @@ class StepEngine:
     def _swap_in(self, optimizer: torch.optim.Optimizer) -> None:
         state = optimizer.state
         self._grad_views = []
+        # the same keys and per-parameter dicts as the last step left: one pass looped in C,
+        # where each run would look its parameters up (a Python hash per parameter)
+        entries_unchanged = _Entries(state) == self._entries
         for gi, group in enumerate(optimizer.param_groups):
             params = group["params"]
             plan = self.plan_of(group)
@@ -340,7 +347,7 @@ class StepEngine:
                     stand_ins += sliced.attach(state, grad)
                     swapped.sliced.append(sliced)
                     continue
-                if grad is None or not run.adopt_state(state):
+                if grad is None or not run.adopt_state(state, entries_unchanged):
                     # some gradients missing, or state the run cannot hold: one by one
                     # (which rewrites the per-parameter state, so the run rebuilds next time)
                     run.forget()
@@ -559,6 +566,26 @@ def _keep_key_order(optimizer: torch.optim.Optimizer, before: list) -> None:
     values = [(k, state.pop(k)) for k in order]
     for k, v in values:
         state[k] = v
+
+
+class _Entries:
+    """A dict's keys and values as objects, compared by identity (never by hashing a key)."""
+
+    def __init__(self, d: dict) -> None:
+        self.owner = d
+        self.keys = list(d)
+        self.values = list(d.values())
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Entries)
+            and self.owner is other.owner
+            and len(self.keys) == len(other.keys)
+            and all(map(operator.is_, self.keys, other.keys))
+            and all(map(operator.is_, self.values, other.values))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _all_local_steppable(params: list) -> bool:
