@@ -36,8 +36,16 @@ The arena drops its reference once every member has written, and at the end
 of each step's backward (``release_gradients``): the gradients' views alone
 then keep the buffer alive, and ``zero_grad(set_to_none=True)`` frees it at
 once. The price: the buffer is allocated at a backward's first reduction, so
-every group's gradient exists from there on, where without an arena they
-appear group by group (docs/performance.md measures it).
+every group's gradient is allocated from there on, where without an arena
+they appear group by group. In host memory that costs nothing resident: the
+kernel commits an allocation's pages as they are first written, so the pages
+of the groups still to reduce stay uncommitted (docs/performance.md measures
+both). An accelerator's caching allocator commits the bytes at once, and
+there the backward's peak (activations at their largest) would grow by the
+gradients of every group not yet reduced; so on an accelerator each group
+reduces into a buffer of its own, as without an arena, and its parameters
+step as a run of their own (``shares_gradients``; ``flat_slot_of`` then names
+the group, not the arena, as the slot's layout).
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ class Arena:
 
     def __init__(self, buffer: torch.Tensor, members: list[FlatShard], sizes: list[int]) -> None:
         self.buffer = buffer
+        # Host memory is committed page by page as it is first written, so one gradient
+        # buffer for every group adds nothing resident; an accelerator's allocator commits
+        # it whole at the first reduction (see the note): there, each group keeps its own.
+        self.shares_gradients = buffer.device.type == "cpu"
         self.starts: dict[FlatShard, int] = {}
         start = 0
         for flat, size in zip(members, sizes):

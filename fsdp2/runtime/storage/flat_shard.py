@@ -226,9 +226,10 @@ class FlatShard:
     def gradient_slot(self, numel: int) -> torch.Tensor | None:
         """Where this group's reduced gradient (``numel`` elements, laid out as the buffer)
         may land for good: its slice of the arena's gradient buffer, if it has an arena."""
-        if self.arena is None or numel != self.buffer.numel():
+        arena = self.arena
+        if arena is None or not arena.shares_gradients or numel != self.buffer.numel():
             return None
-        return self.arena.gradient_slot(self)
+        return arena.gradient_slot(self)
 
     def release_gradients(self) -> None:
         if self.arena is not None:
@@ -327,8 +328,11 @@ def flat_slot_of(param: torch.Tensor) -> FlatSlot | None:
     layout = flat.layout
     scale = local.element_size() if layout.mixed else 1
     start = layout.starts[index]
-    arena = flat.arena
-    home, home_start = (flat, start) if arena is None else (arena, arena.starts[flat] + start)
+    arena = flat.arena  # runs span it only where its groups share one gradient buffer
+    if arena is None or not arena.shares_gradients:
+        home, home_start = flat, start
+    else:
+        home, home_start = arena, arena.starts[flat] + start
     return FlatSlot(
         flat.buffer, start, layout.stops[index], local.numel() * scale, flat, home, home_start
     )
