@@ -101,6 +101,8 @@ from ..runtime.storage.flat_shard import flat_slot_of
 from ..runtime.storage.shard_storage import can_own_storage, own_storage
 from .state_views import adoptable, local_of, publish
 
+_GRAD = operator.attrgetter("grad")  # read in one pass looped in C
+
 # CPU: the largest tensor handed to the optimizer; see the note above.
 PIECE_NUMEL = 1 << 18
 
@@ -483,7 +485,7 @@ def flat_grads(runs: list[FlatRun]) -> list[tuple[Any, list[DTensor] | None]]:
     """
     params = [p for run in runs for p in run.params]
     with fast_grad_access():
-        objects = [p.grad for p in params]
+        objects = list(map(_GRAD, params))
     usual = all(isinstance(g, DTensor) for g in objects) and same_dtensor_specs(objects, params)
     if usual:  # the parameters' specs: their dtypes and shapes, so only where they lie is checked
         grads = local_tensors(objects)

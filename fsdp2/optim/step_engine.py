@@ -289,6 +289,7 @@ class StepEngine:
 
     def close(self) -> None:
         """Stop: state in files comes back into ordinary memory, the tier is released."""
+        self._entries = None  # holds no published view (of a mapped file) alive
         if self.replicas is not None:
             self.replicas.close()
         if isinstance(self.tier, DiskStore):
