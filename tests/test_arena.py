@@ -185,12 +185,41 @@ def _to_empty_in_one_allocation(rank, world_size):
     assert all(isinstance(p, DTensor) for p in meta_model.parameters())
 
 
+def _accelerator_layout(rank, world_size):
+    """Where an arena keeps no shared gradient buffer (an accelerator's: its allocator would
+    commit it whole at the first reduction), each group reduces into its own and steps as
+    a run of its own, bitwise to upstream's fully_shard."""
+    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+    ref = build_transformer(seed=5)
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    shard_transformer(ours, fsdp2.fully_shard, mesh=cpu_mesh())
+    shard_transformer(theirs, upstream_fully_shard, mesh=cpu_mesh())
+    arena = _arena_of(ours)
+    arena.shares_gradients = False  # as on an accelerator (see Arena.shares_gradients)
+    groups = {id(flat_slot_of(p).group) for p in ours.parameters()}
+    assert len(_homes(ours)) == len(groups) > 1  # each group its own layout for the step
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+    for step in range(3):
+        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
+        for m in (ours, theirs):
+            loss_of(m, batch).backward()
+        if world_size > 1:
+            assert len({id(_grad_base(p)) for p in ours.parameters()}) == len(groups)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        _assert_equal(ours, theirs, f"step {step}")
+    assert len(flat_step_engine(opts[0]).runs()) == len(groups)
+
+
 CASES = {
     "one_arena_one_run": _one_arena_one_run,
     "gradients_freed": _gradients_freed_and_never_overwritten,
     "state_dict_live": _state_dict_from_wrap_time_stays_live,
     "leaving": _leaving_the_arena,
     "to_empty": _to_empty_in_one_allocation,
+    "accelerator_layout": _accelerator_layout,
 }
 
 
