@@ -45,7 +45,13 @@ there the backward's peak (activations at their largest) would grow by the
 gradients of every group not yet reduced; so on an accelerator each group
 reduces into a buffer of its own, as without an arena, and its parameters
 step as a run of their own (``shares_gradients``; ``flat_slot_of`` then names
-the group, not the arena, as the slot's layout).
+the group, not the arena, as the slot's layout). The same holds where the
+groups are large (a mean shard over ``SHARED_GRADIENTS_MEAN_NBYTES``, 1 MiB):
+a run per group then costs little next to its kernels, while a fresh buffer
+of the whole arena's size each backward is mapped and faulted in page by
+page (the demo model's 60 MB per rank: its whole step 4-8% slower on CPU).
+The gain is where the groups are many and small: 96 blocks of 17 KB shards
+step as one run (docs/performance.md, "Arenas").
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ from __future__ import annotations
 import torch
 
 from .flat_shard import FlatShard
+
+
+# The largest mean group shard (bytes) whose arena shares one gradient buffer; see the note.
+SHARED_GRADIENTS_MEAN_NBYTES = 1 << 20
 
 
 class Arena:
@@ -64,10 +74,14 @@ class Arena:
 
     def __init__(self, buffer: torch.Tensor, members: list[FlatShard], sizes: list[int]) -> None:
         self.buffer = buffer
-        # Host memory is committed page by page as it is first written, so one gradient
-        # buffer for every group adds nothing resident; an accelerator's allocator commits
-        # it whole at the first reduction (see the note): there, each group keeps its own.
-        self.shares_gradients = buffer.device.type == "cpu"
+        # One gradient buffer for every group: where it adds nothing resident (host memory
+        # is committed page by page as it is first written; an accelerator's allocator
+        # commits it whole at the first reduction) and where the groups are small enough
+        # that one run gains more than a fresh buffer's first-touch costs (see the note).
+        mean_nbytes = buffer.numel() * buffer.element_size() / max(len(members), 1)
+        self.shares_gradients = (
+            buffer.device.type == "cpu" and mean_nbytes <= SHARED_GRADIENTS_MEAN_NBYTES
+        )
         self.starts: dict[FlatShard, int] = {}
         start = 0
         for flat, size in zip(members, sizes):
