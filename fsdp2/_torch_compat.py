@@ -180,7 +180,7 @@ def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
     spec = template._spec
     state_spec = _STATE_SPECS.get(spec)
     if state_spec is None:
-        if any(isinstance(pl, RaggedShardBase) for pl in spec.placements):
+        if any(isinstance(pl, ShardWithOwnRows) for pl in spec.placements):
             state_spec = spec  # the parameter's own: its placement says which rows
         else:
             probe = DTensor(torch.empty(local.shape, dtype=local.dtype, device="meta"), spec,
@@ -589,253 +589,108 @@ def upstream_shard_placement_result() -> type | None:
     return ShardPlacementResult
 
 
-class RaggedShardBase(Shard):
-    """``Shard(0)`` whose ranks hold given runs of rows (``row_bounds``), not ``torch.chunk``'s.
+class ShardWithOwnRows(Shard):
+    """``Shard`` whose rows per rank its subclass decides, through public-named hooks.
 
-    The base of ``fsdp2.RaggedShard`` (the parameter-major layout's
-    placement). DTensor asks a ``Shard`` placement, through these private
-    methods, which rows each rank holds and how to gather or split them; the
-    overrides answer from ``row_bounds`` (``W + 1`` row indices, rank ``r``
-    holding ``[row_bounds[r], row_bounds[r + 1])``), so ``full_tensor()``,
-    ``redistribute`` to ``Replicate`` / ``Shard(0)`` and back, DCP's chunk
-    metadata and serialization see the true layout. Overrides
-    ``Shard._local_shard_size_and_offset``, ``Shard._to_replicate_tensor``,
-    ``Shard._replicate_to_shard`` and ``Shard._split_tensor`` (torch 2.13 -
-    2.15, checked on both; the signatures are 2.13's, which 2.15 keeps).
-    Two ragged placements are equal when their bounds are, and never equal
-    to a plain ``Shard(0)`` (DTensor caches redistribution plans by spec
-    equality: an equal ``Shard(0)`` spec would hand back ``torch.chunk``'s);
-    only ``DTensorSpec``'s shard-order check, written ``placement !=
-    Shard(dim)``, sees it as not different from ``Shard(0)``. Pointwise sharding propagation
-    labels its outputs plain ``Shard(0)``, so out-of-place DTensor math on
-    these tensors is not supported: fsdp2 steps them on local tensors.
+    DTensor asks a ``Shard`` placement which rows each rank holds and how to
+    split or gather them through private methods; this overrides them
+    (``Shard._local_shard_size_and_offset``, ``Shard._split_tensor``,
+    ``Shard._to_replicate_tensor``, ``Shard._replicate_to_shard``; torch 2.13 -
+    2.15, checked on both; the signatures are 2.13's, which 2.15 keeps) to call
+    ``rows_of``, ``split``, ``gathered`` and ``rows_for``, which the subclass
+    (``fsdp2.ragged_placement.RaggedShardBase``) implements.
     """
 
-    row_bounds: tuple[int, ...] = ()
+    def rows_of(self, rank: int) -> tuple[int, int]:  # (size, offset)
+        raise NotImplementedError
 
-    def _sizes(self) -> list[int]:
-        return [b - a for a, b in zip(self.row_bounds, self.row_bounds[1:])]
+    def split(self, tensor: torch.Tensor, with_padding: bool, contiguous: bool) -> tuple:
+        raise NotImplementedError
+
+    def gathered(self, local: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows_for(self, local: torch.Tensor, shard_index: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int):
-        return self.row_bounds[rank + 1] - self.row_bounds[rank], self.row_bounds[rank]
-
-    def _padded(self, rows: torch.Tensor, most: int) -> torch.Tensor:
-        """``rows`` padded with zeros to ``most`` rows on the shard dim."""
-        pad = most - rows.size(self.dim)
-        if not pad:
-            return rows
-        return torch.nn.functional.pad(rows, [0, 0] * (rows.dim() - self.dim - 1) + [0, pad])
+        return self.rows_of(rank)
 
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
-        sizes = self._sizes()
-        most = max(sizes) if with_padding else 0
-        shards, pads = [], []
-        for start, size in zip(self.row_bounds, sizes):
-            shard = tensor.narrow(self.dim, start, size)
-            if with_padding:
-                shard = self._padded(shard, most)
-            shards.append(shard.contiguous() if contiguous else shard)
-            pads.append(most - size if with_padding else 0)
-        return shards, pads
+        return self.split(tensor, with_padding, contiguous)
 
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
-        import torch.distributed._functional_collectives as funcol
-
-        sizes = self._sizes()
-        most = max(sizes)
-        gathered = funcol.all_gather_tensor(
-            self._padded(local_tensor, most).contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
-        )
-        if hasattr(gathered, "wait"):
-            gathered = gathered.wait()
-        blocks = gathered.split(most, dim=self.dim)
-        return torch.cat([b.narrow(self.dim, 0, s) for b, s in zip(blocks, sizes)], self.dim)
+        return self.gathered(local_tensor, mesh, mesh_dim)
 
     def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
-        start = self.row_bounds[shard_index]
-        size = self.row_bounds[shard_index + 1] - start
-        return local_tensor.narrow(self.dim, start, size).clone()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, RaggedShardBase):
-            return self.dim == other.dim and self.row_bounds == other.row_bounds
-        # never equal to torch.chunk's Shard: DTensor's caches would hand back its plans
-        return False if isinstance(other, Placement) else NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        if isinstance(other, RaggedShardBase):
-            return not self == other
-        # DTensorSpec checks its shard order with `placement != Shard(dim)`: same dim passes
-        if isinstance(other, Shard) and not isinstance(other, _StridedShard):
-            return other.dim != self.dim
-        return True if isinstance(other, Placement) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((RaggedShardBase, self.dim, self.row_bounds))
+        return self.rows_for(local_tensor, shard_index)
 
 
-_RAGGED_PROPAGATION_INSTALLED = False
+def is_strided_shard(placement: object) -> bool:
+    """``isinstance(placement, _StridedShard)`` (torch 2.6 - 2.15)."""
+    return isinstance(placement, _StridedShard)
 
 
-def keep_ragged_placements() -> None:
-    """Teach DTensor's sharding propagation the ragged placement; installed once, on first use.
-
-    DTensor knows ``torch.chunk``'s layout only: on an op whose inputs are
-    ``RaggedShardBase`` DTensors it would label the outputs plain ``Shard(0)``
-    (values in ragged rows: a silently wrong tensor) or refuse in-place ops.
-    This wraps the propagator (``DTensor._op_dispatcher.sharding_propagator``'s
-    ``propagate_op_sharding`` and ``propagate_op_sharding_non_cached``,
-    ``OpSchema``, ``OutputSharding``, ``DTensorSpec``; torch 2.13 - 2.15,
-    checked on both): an op with ragged inputs is propagated as if they were
-    ``Shard(0)``; it runs when that needs no redistribution of a ragged input
-    and every sharded output keeps its source's rows on dim 0 (elementwise and
-    foreach ops, casts, copies, reductions over other dims or to a scalar),
-    its outputs then carry the ragged placement back; any other op raises
-    ``NotImplementedError`` (go through ``full_tensor()`` or DCP). Redistribute
-    plans (``_redistribute._gen_transform_infos`` and its non-cached twin,
-    ``_TransformInfo``)
-    between ragged rows and ``Shard(0)`` of the same dim go through
-    ``Replicate`` (torch's plan would take them for a no-op). Ops on other
-    DTensors take the original paths unchanged.
-    """
-    global _RAGGED_PROPAGATION_INSTALLED
-    if _RAGGED_PROPAGATION_INSTALLED:
-        return
+def is_dtensor_spec(value: object) -> bool:
+    """Whether ``value`` is a ``DTensorSpec`` (``torch.distributed.tensor._dtensor_spec``,
+    torch 2.4 - 2.15)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return isinstance(value, DTensorSpec)
+
+
+def dtensor_spec(mesh: DeviceMesh, placements: tuple, tensor_meta: Any) -> Any:
+    """``DTensorSpec(mesh, placements, tensor_meta=...)`` (torch 2.4 - 2.15)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return DTensorSpec(mesh, placements, tensor_meta=tensor_meta)
+
+
+def op_schema_like(op_schema: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+    """``op_schema``'s op and schema info over other arguments (``OpSchema``, torch 2.13 -
+    2.15, checked on both)."""
     from torch.distributed.tensor._op_schema import OpSchema
 
+    return OpSchema(op_schema.op, args_schema, kwargs_schema, schema_info=op_schema.schema_info)
+
+
+def with_output_spec(result: Any, output_spec: Any) -> Any:
+    """A new ``OutputSharding`` like ``result`` with ``output_spec`` (torch 2.13 - 2.15)."""
+    return dataclasses.replace(result, output_spec=output_spec)
+
+
+def wrap_sharding_propagation(wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
+    """Replace DTensor's sharding propagation (cached and not) by ``wrap`` of each.
+
+    Wraps ``DTensor._op_dispatcher.sharding_propagator``'s
+    ``propagate_op_sharding`` and ``propagate_op_sharding_non_cached``
+    (torch 2.13 - 2.15, checked on both).
+    """
     propagator = DTensor._op_dispatcher.sharding_propagator
-
-    def ragged_of(spec: object) -> tuple | None:
-        if isinstance(spec, DTensorSpec) and any(
-            isinstance(p, RaggedShardBase) for p in spec.placements
-        ):
-            return spec.placements
-        return None
-
-    def plain(spec: object) -> object:
-        if ragged_of(spec) is None:
-            return spec
-        placements = tuple(Shard(p.dim) if isinstance(p, RaggedShardBase) else p
-                           for p in spec.placements)
-        return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
-
-    def wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def refusal(op_schema: Any) -> NotImplementedError:
-            return NotImplementedError(
-                f"{op_schema.op} on a DTensor with a RaggedShard placement (fsdp2's "
-                "parameter-major layout): DTensor has no rule for it; call full_tensor() "
-                "or redistribute to Replicate first, or work on to_local()"
-            )
-
-        def spec_lists(op_schema: Any) -> list:
-            return [a for a in op_schema.args_schema if isinstance(a, (list, tuple))
-                    and a and all(isinstance(x, DTensorSpec) for x in a)]
-
-        def same_layouts(op_schema: Any) -> bool:
-            # Operands meet elementwise (foreach lists: the i-th of each list): sharded
-            # operands of one place must share one ragged placement and shape; the rest
-            # are replicated (scalars).
-            lists = spec_lists(op_schema)
-            n = len(lists[0]) if lists else 1
-            if any(len(a) != n for a in lists):
-                return False
-            singles = [a for a in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
-                       if isinstance(a, DTensorSpec) and not any(a is x for lst in lists for x in lst)]
-            for i in range(n):
-                specs = [lst[i] for lst in lists] + singles
-                sharded = [s for s in specs if any(not p.is_replicate() for p in s.placements)]
-                if not sharded:
-                    continue
-                first = sharded[0]
-                if ragged_of(first) is None or any(
-                    s.placements != first.placements or s.shape != first.shape for s in sharded
-                ):
-                    return False
-            return True
-
-        def propagate(op_schema: Any) -> Any:
-            sources = [s for s in op_schema.args_spec if ragged_of(s) is not None]
-            if not sources:
-                return original(op_schema)
-            if not same_layouts(op_schema):
-                raise refusal(op_schema)
-            plain_schema = OpSchema(
-                op_schema.op,
-                tree_unflatten([plain(x) for x in tree_flatten(op_schema.args_schema)[0]],
-                               tree_flatten(op_schema.args_schema)[1]),
-                tree_unflatten([plain(x) for x in tree_flatten(op_schema.kwargs_schema)[0]],
-                               tree_flatten(op_schema.kwargs_schema)[1]),
-                schema_info=op_schema.schema_info,
-            )
-            result = original(plain_schema)
-            refuse = result.needs_redistribute and any(
-                ragged_of(s) is not None for s in op_schema.args_spec
-            )
-            outputs, tree = tree_flatten(result.output_spec)
-            lists = spec_lists(op_schema)
-            fixed = []
-            for i, out in enumerate(outputs):
-                # an output's source: the ragged operand at its place in the foreach lists
-                # (the i-th of each list), else the first ragged operand
-                place = [lst[i] for lst in lists if len(lst) == len(outputs)
-                         and ragged_of(lst[i]) is not None]
-                src = place[0] if place else sources[0]
-                if isinstance(out, DTensorSpec) and any(isinstance(p, Shard) for p in out.placements):
-                    rows_kept = (
-                        out.placements == plain(src).placements
-                        and out.tensor_meta is not None and src.tensor_meta is not None
-                        and out.tensor_meta.shape[:1] == src.tensor_meta.shape[:1]
-                    )
-                    if not rows_kept:
-                        refuse = True
-                        break
-                    out = DTensorSpec(out.mesh, src.placements, tensor_meta=out.tensor_meta)
-                fixed.append(out)
-            if refuse:
-                raise refusal(op_schema)
-            # a new object: the plain result may be cached for real Shard(0) inputs
-            return dataclasses.replace(result, output_spec=tree_unflatten(fixed, tree))
-
-        return propagate
-
     cached = propagator.propagate_op_sharding
     propagator.propagate_op_sharding_non_cached = wrap(propagator.propagate_op_sharding_non_cached)
     propagator.propagate_op_sharding = wrap(cached)
 
-    # redistribute: torch's plan takes Shard(0) -> Shard(0) of one dim for a no-op; between
-    # ragged rows and torch.chunk's it must go through Replicate
-    from torch.distributed.tensor import Replicate, _redistribute
 
-    def through_replicate(gen: Callable[..., Any]) -> Callable[..., Any]:
-        def planned(src_spec: Any, dst_spec: Any, *args: Any, **kwargs: Any) -> Any:
-            pairs = list(zip(src_spec.placements, dst_spec.placements))
-            crossing = [
-                i for i, (s, d) in enumerate(pairs)
-                if (isinstance(s, RaggedShardBase) or isinstance(d, RaggedShardBase))
-                and isinstance(s, Shard) and isinstance(d, Shard) and not (
-                    isinstance(s, RaggedShardBase) and isinstance(d, RaggedShardBase) and s == d
-                )
-            ]
-            if not crossing:
-                return gen(src_spec, dst_spec, *args, **kwargs)
-            if len(pairs) != 1:  # the layout runs on 1-D meshes only
-                raise NotImplementedError(
-                    f"redistribute {src_spec.placements} -> {dst_spec.placements}: a RaggedShard "
-                    "placement converts on a 1-D mesh only"
-                )
-            src, dst = pairs[0]
-            info = _redistribute._TransformInfo
-            shape = list(src_spec.shape)
-            return [info(0, (src, Replicate()), shape), info(0, (Replicate(), dst), shape)]
+def wrap_redistribute_planning(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace DTensor's redistribute planners by ``wrap`` of each.
 
-        return planned
+    Wraps ``torch.distributed.tensor._redistribute._gen_transform_infos`` and
+    ``_gen_transform_infos_non_cached`` (torch 2.13 - 2.15, checked on both).
+    """
+    from torch.distributed.tensor import _redistribute
 
-    _redistribute._gen_transform_infos = through_replicate(_redistribute._gen_transform_infos)
-    _redistribute._gen_transform_infos_non_cached = through_replicate(
+    _redistribute._gen_transform_infos = wrap(_redistribute._gen_transform_infos)
+    _redistribute._gen_transform_infos_non_cached = wrap(
         _redistribute._gen_transform_infos_non_cached
     )
-    _RAGGED_PROPAGATION_INSTALLED = True
+
+
+def transform_info(mesh_dim: int, src_dst: tuple, logical_shape: list[int]) -> Any:
+    """One redistribute step (``_redistribute._TransformInfo``, torch 2.13 - 2.15)."""
+    from torch.distributed.tensor import _redistribute
+
+    return _redistribute._TransformInfo(mesh_dim, src_dst, logical_shape)
 
 
 _LOCAL_CACHE_KEYS_INSTALLED = False

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from ._torch_compat import RaggedShardBase, keep_ragged_placements, upstream_shard_placement_result
+from ._torch_compat import upstream_shard_placement_result
+from .ragged_placement import RaggedShardBase, keep_ragged_placements
 from .versions import upstream_has
 
 DtypeOrNone = torch.dtype | None  # None: keep the dtype the tensor already has

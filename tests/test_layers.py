@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime.meshes",),  # meshes,
     ("runtime.common",),  # casts, tensor trees, profiler ranges
     ("api",),  # policies and plain values
+    ("ragged_placement",),  # the parameter-major layout's placement, below the values using it
     ("errors", "versions", "_torch_compat", "agree", "claim_file", "file_tensors"),  # leaves
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

@@ -51,7 +51,7 @@ PRIVATE_SYMBOLS = [
     ("torch._guards", "detect_fake_mode"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch._functorch.eager_transforms", "enable_inplace_requires_grad"),
-    # keep_ragged_placements / RaggedShardBase
+    # ShardWithOwnRows and the wrappers ragged_placement.py's rules go through
     ("torch.distributed.tensor.placement_types", "Shard._local_shard_size_and_offset"),
     ("torch.distributed.tensor.placement_types", "Shard._to_replicate_tensor"),
     ("torch.distributed.tensor.placement_types", "Shard._replicate_to_shard"),

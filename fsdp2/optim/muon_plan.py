@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import RaggedShardBase, local_tensor, strided_split_factor
+from .._torch_compat import local_tensor, strided_split_factor
+from ..ragged_placement import RaggedShardBase
 
 __all__ = ["MuonLoad", "Plan", "assign_owners", "check_param", "layout_of"]
 

@@ -72,7 +72,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from .._torch_compat import RaggedShardBase, cache_keys_see_local_tensors
+from .._torch_compat import cache_keys_see_local_tensors
+from ..ragged_placement import RaggedShardBase
 
 __all__ = ["block_aligned", "is_block_quantized", "state_units", "use_block_aligned_state"]
 

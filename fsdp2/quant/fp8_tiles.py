@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .._torch_compat import RaggedShardBase, local_tensor
+from .._torch_compat import local_tensor
+from ..ragged_placement import RaggedShardBase
 
 __all__ = ["FP8_MAX", "dequantize_tiles", "gather_fp8_tiles", "quantize_tiles"]
 

@@ -25,10 +25,12 @@ hooked parameter's own rows are not sent at all.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..._torch_compat import local_tensor
 from ..storage.param import FSDPParam
 from ..storage.ragged import RaggedRows
 from . import staged_collectives
@@ -59,6 +61,29 @@ def _plain_copies(layouts: tuple[RaggedRows, ...], world_size: int) -> tuple[lis
 
 def _plain_layouts(fsdp_params: list[FSDPParam]) -> tuple[RaggedRows, ...]:
     return tuple(p.layout for p in fsdp_params if p.extension is None)
+
+
+def gather_inputs(
+    fsdp_params: list[FSDPParam],
+    slots: list[torch.Tensor],
+    device: torch.device,
+    pin_memory: bool,
+    offload: bool,
+) -> tuple[list[torch.Tensor | None], dict[int, Any]]:
+    """The rows of the parameters without hooks (on ``device``; ``None`` for a hooked one,
+    which sends its inputs instead) and each hooked parameter's pre-hook inputs by index."""
+    rows: list[torch.Tensor | None] = []
+    hook_inputs = {}
+    for i, (p, slot) in enumerate(zip(fsdp_params, slots)):
+        if p.extension is None:
+            rows.append(slot.to(device, non_blocking=pin_memory))
+            continue
+        rows.append(None)
+        local = local_tensor(p.sharded_param)
+        if offload:
+            local = local.to(device, non_blocking=True)
+        hook_inputs[i] = p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, None, p.fqn)
+    return rows, hook_inputs
 
 
 def all_gather(

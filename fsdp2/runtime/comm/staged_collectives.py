@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..._torch_compat import local_tensor
 from ..storage.param import FSDPParam
 from . import collectives
 
@@ -83,6 +84,32 @@ class StagedAllGather:
         self.output = output
         self.inputs = inputs
         self.work = work
+
+
+def gather_inputs(
+    fsdp_params: list[FSDPParam],
+    slots: list[Tensor],
+    device: torch.device,
+    pin_memory: bool,
+    offload: bool,
+) -> list[list[Tensor]]:
+    """Each parameter's all-gather inputs: its slot in the unsharded dtype on ``device``, as
+    upstream, or what its pre hook makes of its shard (on the device under CPU offload)."""
+    inputs = []
+    for p, slot in zip(fsdp_params, slots):
+        if p.extension is None:
+            inputs.append([slot.to(device, p.param_dtype or slot.dtype, non_blocking=pin_memory)])
+            continue
+        local = local_tensor(p.sharded_param)
+        if offload:  # upstream hands the pre hook the shard on the device
+            local = local.to(device, non_blocking=True)
+        inputs.append(
+            p.extension.pre_all_gather(
+                local, p.orig_size, p.orig_stride,
+                torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
+            )
+        )
+    return inputs
 
 
 def all_gather(

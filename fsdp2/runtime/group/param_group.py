@@ -47,7 +47,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from ..._torch_compat import local_tensor, outside_functorch
+from ..._torch_compat import outside_functorch
 from ...api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ...errors import FSDPNotImplementedError
 from ...versions import ACCUMULATE_PROFILER_RANGE
@@ -340,22 +340,10 @@ class FSDPParamGroup:
         if self.order.param_major:  # See [Note: Extensions on the parameter-major layout]
             self._unshard_param_major_staged(async_op)
             return
-        inputs = []
-        for i, p in enumerate(self.fsdp_params):
-            if p.extension is None:  # in the unsharded dtype and on the device, as upstream
-                slot = self._slot(i)
-                dtype = p.param_dtype or slot.dtype
-                inputs.append([slot.to(self.device, dtype, non_blocking=self._flat.pin_memory)])
-                continue
-            local = local_tensor(p.sharded_param)
-            if self.offload:  # upstream hands the pre hook the shard on the device
-                local = local.to(self.device, non_blocking=True)
-            inputs.append(
-                p.extension.pre_all_gather(
-                    local, p.orig_size, p.orig_stride,
-                    torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
-                )
-            )
+        slots = [self._slot(i) for i in range(len(self.fsdp_params))]
+        inputs = staged_collectives.gather_inputs(
+            self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
+        )
         self.step.pending_staged = staged_collectives.all_gather(
             self.fsdp_params,
             inputs,
@@ -371,21 +359,12 @@ class FSDPParamGroup:
 
     def _unshard_param_major_staged(self, async_op: bool) -> None:
         """A parameter-major group with hooked parameters: their inputs in place of their rows."""
-        hook_inputs = {}
-        for i, p in enumerate(self.fsdp_params):
-            if p.extension is None:
-                continue
-            local = local_tensor(p.sharded_param)
-            if self.offload:
-                local = local.to(self.device, non_blocking=True)
-            hook_inputs[i] = p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, None, p.fqn)
-        slots = [  # the rows of the parameters without hooks (a hooked one sends its inputs)
-            None if p.extension is not None
-            else self._slot(i).to(self.device, non_blocking=self._flat.pin_memory)
-            for i, p in enumerate(self.fsdp_params)
-        ]
+        slots = [self._slot(i) for i in range(len(self.fsdp_params))]
+        rows, hook_inputs = ragged_staged.gather_inputs(
+            self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
+        )
         self.step.pending_staged = ragged_staged.all_gather(
-            self.fsdp_params, slots, hook_inputs, self.dtypes.param or self.layout.dtype,
+            self.fsdp_params, rows, hook_inputs, self.dtypes.param or self.layout.dtype,
             self.device, self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
             self.mesh_info.shard_mesh_size, async_op, skip_collective=self.alone,
         )
