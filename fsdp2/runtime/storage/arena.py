@@ -60,7 +60,6 @@ import torch
 
 from .flat_shard import FlatShard
 
-
 # The largest mean group shard (bytes) whose arena shares one gradient buffer; see the note.
 SHARED_GRADIENTS_MEAN_NBYTES = 1 << 20
 
