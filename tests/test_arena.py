@@ -60,15 +60,38 @@ def _assert_equal(model, ref, where):
         assert torch.equal(full(p.detach()), full(r.detach())), f"{where}: {name} differs"
 
 
-def _one_arena_one_run(rank, world_size):
-    """Blocks and root wrapped bottom-up share one arena; AdamW steps it as one run, bitwise
-    to upstream's fully_shard, with its gradients views of one buffer."""
+def _with_upstream():
+    """The test model sharded by fsdp2 and by upstream's fully_shard, from equal values."""
     from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
     ref = build_transformer(seed=5)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     shard_transformer(ours, fsdp2.fully_shard, mesh=cpu_mesh())
     shard_transformer(theirs, upstream_fully_shard, mesh=cpu_mesh())
+    return ours, theirs
+
+
+def _step_side_by_side(ours, theirs, rank, world_size, gradient_buffers: int):
+    """Three AdamW steps of both, equal after each; ``ours``' gradients lie in
+    ``gradient_buffers`` buffers (where there is a reduce-scatter). Returns our optimizer."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+    for step in range(3):
+        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
+        for m in (ours, theirs):
+            loss_of(m, batch).backward()
+        if world_size > 1:  # one rank keeps each gradient itself (no reduce-scatter)
+            assert len({id(_grad_base(p)) for p in ours.parameters()}) == gradient_buffers
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        _assert_equal(ours, theirs, f"step {step}")
+    return opts[0]
+
+
+def _one_arena_one_run(rank, world_size):
+    """Blocks and root wrapped bottom-up share one arena; AdamW steps it as one run, bitwise
+    to upstream's fully_shard, with its gradients views of one buffer."""
+    ours, theirs = _with_upstream()
     assert len(_homes(ours)) == 1
     arena = _arena_of(ours)
     storage = arena.buffer.untyped_storage()
@@ -76,18 +99,8 @@ def _one_arena_one_run(rank, world_size):
         local = p.to_local()
         if local.numel():
             assert storage.data_ptr() <= local.data_ptr() < storage.data_ptr() + storage.nbytes()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
-    for step in range(3):
-        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
-        for m in (ours, theirs):
-            loss_of(m, batch).backward()
-        if world_size > 1:  # one rank keeps each gradient itself (no reduce-scatter)
-            assert len({id(_grad_base(p)) for p in ours.parameters()}) == 1
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        _assert_equal(ours, theirs, f"step {step}")
-    assert len(flat_step_engine(opts[0]).runs()) == 1
+    opt = _step_side_by_side(ours, theirs, rank, world_size, gradient_buffers=1)
+    assert len(flat_step_engine(opt).runs()) == 1
 
 
 def _gradients_freed_and_never_overwritten(rank, world_size):
@@ -189,28 +202,13 @@ def _accelerator_layout(rank, world_size):
     """Where an arena keeps no shared gradient buffer (an accelerator's: its allocator would
     commit it whole at the first reduction), each group reduces into its own and steps as
     a run of its own, bitwise to upstream's fully_shard."""
-    from torch.distributed.fsdp import fully_shard as upstream_fully_shard
-
-    ref = build_transformer(seed=5)
-    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    shard_transformer(ours, fsdp2.fully_shard, mesh=cpu_mesh())
-    shard_transformer(theirs, upstream_fully_shard, mesh=cpu_mesh())
+    ours, theirs = _with_upstream()
     arena = _arena_of(ours)
     arena.shares_gradients = False  # as on an accelerator (see Arena.shares_gradients)
     groups = {id(flat_slot_of(p).group) for p in ours.parameters()}
     assert len(_homes(ours)) == len(groups) > 1  # each group its own layout for the step
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
-    for step in range(3):
-        batch = rank_slice(batch_of(step, 2 * world_size), rank, world_size)
-        for m in (ours, theirs):
-            loss_of(m, batch).backward()
-        if world_size > 1:
-            assert len({id(_grad_base(p)) for p in ours.parameters()}) == len(groups)
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        _assert_equal(ours, theirs, f"step {step}")
-    assert len(flat_step_engine(opts[0]).runs()) == len(groups)
+    opt = _step_side_by_side(ours, theirs, rank, world_size, gradient_buffers=len(groups))
+    assert len(flat_step_engine(opt).runs()) == len(groups)
 
 
 CASES = {
