@@ -12,6 +12,10 @@ way, so a param group whose parameters fill an arena steps as one run: one
 gradient view, one state buffer per key, a few kernels per step however many
 groups, and ``zero_grad`` one fill or one release.
 
+Not yet for parameter-major groups (``RaggedShard``): moving one left its old
+buffer alive, a shard per rank more at every peak (``bench_layouts.py --quick``),
+so ``FlatShard.can_join`` keeps them out until that is understood.
+
 When. Groups move into an arena only where nothing outside fsdp2 can hold
 their local tensors yet: at the end of a ``fully_shard`` call on a module that
 holds other groups (the root's, at wrap time), in ``FSDPModule.to_empty``

@@ -213,6 +213,9 @@ class FlatShard:
             and not buffer.is_meta
             and buffer.numel() > 0
             and self.replica_slices is None  # they cut the buffer they were made on
+            # a parameter-major group's moved shard left its old buffer alive (+1 shard per
+            # rank at every peak, bench_layouts.py): not moved until that is understood
+            and not self.order.param_major
         )
 
     def move_into(self, arena: Any, buffer: torch.Tensor) -> None:
