@@ -13,6 +13,7 @@ claim (two live jobs, a claim left by a SIGKILLed job).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -38,8 +39,8 @@ from fsdp2 import (
     save_checkpoint,
     verify_checkpoint,
 )
-from fsdp2.checkpoint import step_dirs
-from fsdp2.checkpoint.integrity import MANIFEST
+from fsdp2.checkpoint import crc, step_dirs
+from fsdp2.checkpoint.integrity import MANIFEST, checksum
 from fsdp2.checkpoint.step_dirs import CLAIM
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -70,6 +71,25 @@ def _garble_metadata(resize):
     return damage
 
 
+def _crc32_manifest(damage):
+    """The manifest as fsdp2 wrote it before CRC-32C (zlib's CRC-32), then ``damage``."""
+    def both(step):
+        data = json.loads((step / MANIFEST).read_text())
+        data["algorithm"] = "crc32"
+        data["files"] = {name: list(checksum(step / name, "crc32")) for name in data["files"]}
+        (step / MANIFEST).write_text(json.dumps(data))
+        damage(step)
+    return both
+
+
+def _manifest_algorithm(name):
+    def damage(step):
+        data = json.loads((step / MANIFEST).read_text())
+        data["algorithm"] = name
+        (step / MANIFEST).write_text(json.dumps(data))
+    return damage
+
+
 def _legacy(damage):
     def both(step):
         (step / MANIFEST).unlink()  # as written before checksums
@@ -82,8 +102,10 @@ DAMAGE = {
     "truncated_half": (_truncate(0.5), "__1_0.distcp: "),
     "truncated_zero": (_truncate(0.0), "__1_0.distcp: 0 bytes"),
     "deleted": (lambda s: (s / "__1_0.distcp").unlink(), "__1_0.distcp: missing"),
-    "flipped": (_flip, "__0_0.distcp: CRC-32"),
-    "metadata_garbled": (_garble_metadata(False), ".metadata: CRC-32"),
+    "flipped": (_flip, f"__0_0.distcp: {crc.LABELS[crc.DEFAULT]} "),
+    "metadata_garbled": (_garble_metadata(False), f".metadata: {crc.LABELS[crc.DEFAULT]} "),
+    "crc32_manifest_flipped": (_crc32_manifest(_flip), "__0_0.distcp: CRC-32 "),
+    "manifest_unknown_algorithm": (_manifest_algorithm("md5"), f"{MANIFEST}: unreadable"),
     "metadata_garbled_resized": (_garble_metadata(True), ".metadata: 100 bytes"),
     "metadata_deleted": (lambda s: (s / ".metadata").unlink(), ".metadata: missing"),
     "manifest_garbled": (lambda s: (s / MANIFEST).write_text("{oops"), f"{MANIFEST}: unreadable"),
@@ -128,6 +150,16 @@ def _damage_body(rank, world_size, base):
     fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=36)
     assert load_latest(legacy, fresh, fresh_optim) == 8
     assert_full_equal(fresh, at8, "legacy")
+    # and one whose manifest has zlib's CRC-32 (written before CRC-32C) loads, verified
+    older = base / "crc32"
+    if rank == 0:
+        shutil.copytree(base / "pristine", older)
+        _crc32_manifest(lambda step: None)(older / "step-8")
+    dist.barrier()
+    fresh, fresh_optim = sharded_transformer(cpu_mesh(), seed=37)
+    assert load_latest(older, fresh, fresh_optim) == 8
+    assert_full_equal(fresh, at8, "crc32 manifest")
+    out["recorded"] = json.loads((base / "pristine" / "step-8" / MANIFEST).read_text())["algorithm"]
     return out
 
 
@@ -135,6 +167,7 @@ def test_every_damage_kind_is_detected_and_load_latest_resumes_from_the_intact_s
     """W=2, steps 7 and 8, step 8 damaged each way: one error on every rank, fallback to 7, same results."""
     results = run_ranks(_damage_body, 2, str(tmp_path))
     assert results[0] == results[1]  # the same error and warning on every rank
+    assert results[0]["recorded"] == crc.DEFAULT
     for kind, (_, names_the_file) in DAMAGE.items():
         message, warned = results[0][kind]
         step8 = str(tmp_path / kind / "step-8")
@@ -288,3 +321,17 @@ def test_exceptions_are_exceptions():
     for cls in (fsdp2.CheckpointError, CheckpointDamagedError, CheckpointLockedError):
         assert issubclass(cls, Exception) and issubclass(cls, RuntimeError)
     assert issubclass(CheckpointDamagedError, ValueError)
+
+
+def test_checksum_algorithms_give_their_check_values_in_any_chunking():
+    """CRC-32 and CRC-32C of "123456789" are their catalogued check values, summed whole or in
+    pieces; a save on this machine records CRC-32C where the ``crc32c`` package has hardware."""
+    data = memoryview(bytearray(b"123456789"))
+    for algorithm, check in (("crc32", 0xCBF43926), ("crc32c", 0xE3069283)):
+        extend = crc.extender(algorithm)
+        assert extend(data, 0) == check
+        assert extend(data[4:], extend(data[:4], 0)) == check
+    import crc32c  # a dependency of fsdp2
+    assert crc.DEFAULT == ("crc32c" if crc32c.hardware_based else "crc32")
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        crc.extender("md5")

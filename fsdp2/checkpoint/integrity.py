@@ -5,20 +5,20 @@ DCP trusts its files: a truncated or missing data file fails the load with
 ``CheckpointException`` (a ``BaseException``), and flipped bytes in the
 middle of one load silently as wrong weights. So each save records, next to
 DCP's files, a manifest (``.fsdp2-checksums.json``) with every file's size
-and CRC-32, written before the commit rename (a committed step always has
-it). Each rank sums the files it writes as it writes them ([Note: Checksums
+and checksum (CRC-32C, or CRC-32: [Note: Checksum algorithms] in crc.py),
+written before the commit rename (a committed step always has it). Each rank sums the files it writes as it writes them ([Note: Checksums
 while writing] in ``summing.py``: no byte is read back); rank 0 gathers the
 entries and writes the manifest.
 
 A load first checks the folder: every rank compares the sizes of all files
-(cheap) and the CRC-32 of its share of them (``files[rank::world]``, so the
+(cheap) and the checksums of its share of them (``files[rank::world]``, so the
 bytes are read about once in all), then the ranks agree: a problem seen by
 one rank is an error on every rank, naming the file, what is wrong and the
-rank that saw it. CRC-32 (``zlib.crc32``) runs at memory speed, well above
-disk write speed; it detects every burst error up to 32 bits and any other
-damage with probability 1 - 2^-32, which is the point here (a bad disk, a
-torn copy), not tampering. A folder without a manifest was written before
-fsdp2 recorded checksums: it loads as before, checked for its metadata only.
+rank that saw it. Either CRC detects every burst error up to 32 bits and
+any other damage with probability 1 - 2^-32, which is the point here (a
+bad disk, a torn copy), not tampering. A folder without a manifest was
+written before fsdp2 recorded checksums: it loads as before, checked for its
+metadata only.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from pathlib import Path
 from typing import Any
 
+from . import crc
 from .errors import CheckpointDamagedError
 
 __all__ = ["MANIFEST", "verify_checkpoint"]
@@ -40,30 +40,31 @@ _FORMAT = "fsdp2-checksums"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def checksum(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of the file at ``path``, read in chunks.
+def checksum(path: Path, algorithm: str = crc.DEFAULT) -> tuple[int, int]:
+    """``(size, checksum)`` of the file at ``path``, read in chunks.
 
     Chunks, not one mapping of the file: every page of a mapping zlib reads
     stays resident while it is mapped, so a whole checkpoint file would be
     in memory at the end of each save.
     """
+    extend = crc.extender(algorithm)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    crc = size = 0
+    total = size = 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
+            total = extend(view[:n], total)
             size += n
-    return size, crc
+    return size, total
 
 
 _CHUNK = 8 << 20
 
 
-def write_manifest(folder: Path, entries: dict[str, list[int]]) -> None:
-    """Rank 0, before the commit: the manifest of ``entries``, on disk."""
+def write_manifest(folder: Path, entries: dict[str, list[int]], algorithm: str) -> None:
+    """Rank 0, before the commit: the manifest of ``entries`` (summed with ``algorithm``)."""
     text = json.dumps(
-        {"format": _FORMAT, "version": 1, "algorithm": "crc32", "files": entries},
+        {"format": _FORMAT, "version": 1, "algorithm": algorithm, "files": entries},
         sort_keys=True,
     )
     with open(folder / MANIFEST, "w") as f:
@@ -72,8 +73,8 @@ def write_manifest(folder: Path, entries: dict[str, list[int]]) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifest(folder: Path) -> dict[str, list[int]] | None:
-    """The manifest's entries; ``None`` for a checkpoint written before checksums."""
+def read_manifest(folder: Path) -> tuple[str, dict[str, list[int]]] | None:
+    """The manifest's algorithm and entries; ``None`` for a checkpoint written before checksums."""
     try:
         raw = (folder / MANIFEST).read_bytes()
     except FileNotFoundError:
@@ -81,9 +82,12 @@ def read_manifest(folder: Path) -> dict[str, list[int]] | None:
     try:
         data = json.loads(raw)
         files = data["files"]
+        algorithm = data.get("algorithm", "crc32")
         if data.get("format") != _FORMAT or not isinstance(files, dict):
             raise ValueError("not an fsdp2 checksum manifest")
-        return {str(k): [int(v[0]), int(v[1])] for k, v in files.items()}
+        if algorithm not in crc.LABELS:
+            raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+        return algorithm, {str(k): [int(v[0]), int(v[1])] for k, v in files.items()}
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise CheckpointDamagedError(f"{MANIFEST}: unreadable ({exc})") from exc
 
@@ -92,7 +96,7 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
     """What is wrong with ``folder``, as this rank of ``world`` sees it; ``[]`` if intact.
 
     Every rank checks that each file exists with its recorded size; rank
-    ``r`` also compares the CRC-32 of ``files[r::world]``. Without a
+    ``r`` also compares the checksums of ``files[r::world]``. Without a
     manifest only the presence of DCP's metadata is checked.
     """
     if not folder.is_dir():
@@ -105,10 +109,12 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
         if not (folder / METADATA).is_file():
             return [f"{METADATA}: missing (the save that wrote this folder did not finish)"]
         return []
+    algorithm, manifest = manifest
+    label = crc.LABELS[algorithm]
     found = []
     names = sorted(manifest)
     for i, name in enumerate(names):
-        size, crc = manifest[name]
+        size, want = manifest[name]
         try:
             actual = os.stat(folder / name).st_size
         except FileNotFoundError:
@@ -117,9 +123,9 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
         if actual != size:
             found.append(f"{name}: {actual} bytes, {size} written (truncated or overwritten)")
         elif hashes and i % world == rank:
-            got = checksum(folder / name)[1]
-            if got != crc:
-                found.append(f"{name}: CRC-32 {got:08x}, {crc:08x} written (the bytes changed)")
+            got = checksum(folder / name, algorithm)[1]
+            if got != want:
+                found.append(f"{name}: {label} {got:08x}, {want:08x} written (the bytes changed)")
     if METADATA not in manifest:
         found.append(f"{MANIFEST}: does not list {METADATA}")
     return found
@@ -150,7 +156,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, list[str]]:
     """Check a checkpoint folder, or every ``step-N`` under a root, without a process group.
 
     Returns ``{folder: [problems]}`` for each folder checked (an empty list:
-    intact). Every file's size and CRC-32 are compared with the manifest
+    intact). Every file's size and checksum are compared with the manifest
     the save recorded; a folder written before fsdp2 recorded checksums is
     checked against its metadata only (files missing or too short). Also ``python -m fsdp2.checkpoint.verify PATH``.
 

@@ -324,15 +324,16 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
               cleanup, _WRITE_HINT)
     entries: dict[str, list[int]] = {}
     if writer is not None:
-        for got in _gather(writer.sums(), group):
-            entries.update(got)
+        for algorithm, sums in _gather((writer.algorithm, writer.sums()), group):
+            if algorithm == writer.algorithm:  # else summed again below, in this rank's
+                entries.update(sums)
 
     def finish() -> None:
         if checksums:
             for name in sorted(os.listdir(partial)):  # a file no writer summed as it wrote it
                 if name not in entries and name != integrity.MANIFEST:
-                    entries[name] = list(integrity.checksum(partial / name))
-            integrity.write_manifest(partial, entries)
+                    entries[name] = list(integrity.checksum(partial / name, writer.algorithm))
+            integrity.write_manifest(partial, entries, writer.algorithm)
         commit(final, keep)
 
     agree(f"save_checkpoint: cannot commit {final}", finish, group=group,

@@ -1,11 +1,11 @@
-"""DCP's file writer, recording each file's size and CRC-32 as it writes the bytes.
+"""DCP's file writer, recording each file's size and checksum as it writes the bytes.
 
 [Note: Checksums while writing]
-The manifest of [Note: Checkpoint integrity] needs every file's CRC-32. Read
+The manifest of [Note: Checkpoint integrity] needs every file's checksum. Read
 back after the write, that is a second pass over every byte the save wrote,
 inside the save's stall. Here the file system DCP's ``FileSystemWriter``
 writes through wraps each stream it opens for writing: every ``write`` also
-feeds ``zlib.crc32``, so the sums are ready when the last byte is written
+extends the file's checksum (``crc.DEFAULT``), so the sums are ready when the last byte is written
 and no byte is read again. DCP writes each file front to back (``tell`` for
 offsets, no ``seek``); a stream that seeks after all, or a file this writer
 did not write, is summed from disk as before (``integrity.checksum``), so a
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from .._torch_compat import set_writer_file_system
+from . import crc
 
 __all__ = ["SummingWriter"]
 
@@ -33,8 +33,9 @@ __all__ = ["SummingWriter"]
 class _SummingStream:
     """A writable stream that sums what passes through it; anything else goes to ``raw``."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, extend: Any) -> None:
         self._raw = raw
+        self._extend = extend
         self.crc = self.size = 0
         self.in_order = True
 
@@ -43,7 +44,7 @@ class _SummingStream:
         view = memoryview(data).cast("B")
         if written is not None and written != len(view):
             view = view[:written]
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = self._extend(view, self.crc)
         self.size += len(view)
         return written
 
@@ -56,10 +57,11 @@ class _SummingStream:
 
 
 class _SummingFileSystem(FileSystem):
-    """DCP's local file system, keeping ``{file name: (size, crc32)}`` of the files it wrote."""
+    """DCP's local file system, keeping ``{file name: (size, checksum)}`` of the files it wrote."""
 
-    def __init__(self) -> None:
+    def __init__(self, algorithm: str) -> None:
         super().__init__()
+        self._extend = crc.extender(algorithm)
         self.sums: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()  # (DCP may write files from several threads)
 
@@ -70,7 +72,7 @@ class _SummingFileSystem(FileSystem):
                 yield raw
             return
         with super().create_stream(path, mode) as raw:
-            stream = _SummingStream(raw)
+            stream = _SummingStream(raw, self._extend)
             yield stream
         with self._lock:
             if stream.in_order and "a" not in mode:
@@ -91,14 +93,15 @@ class _SummingFileSystem(FileSystem):
 
 
 class SummingWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose ``sums()`` are the size and CRC-32 of each file it wrote."""
+    """``FileSystemWriter`` whose ``sums()`` are the size and checksum of each file it wrote."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self._summing = _SummingFileSystem()
+        self.algorithm = crc.DEFAULT
+        self._summing = _SummingFileSystem(self.algorithm)
         set_writer_file_system(self, self._summing)
 
     def sums(self) -> dict[str, list[int]]:
-        """``{file name: [size, crc32]}``, as the checksum manifest keeps them."""
+        """``{file name: [size, checksum]}``, as the checksum manifest keeps them."""
         with self._summing._lock:
             return {name: [size, crc] for name, (size, crc) in self._summing.sums.items()}
