@@ -53,7 +53,7 @@ FULL = {
     "materialize_shape": LLAMA_70B,
     "materialize_reps": 5,
     "ckpt_reps": 6,
-    "ckpt_integrity_reps": 3,
+    "ckpt_integrity_reps": 6,
     "muon_shape": {
         "vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704,
     },
