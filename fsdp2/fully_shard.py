@@ -44,7 +44,7 @@ from .runtime.meshes.mesh import (
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh
 from .runtime.storage.extensions import needs_own_shard
 from .runtime.storage.param import FSDPParam
-from .runtime.storage.ragged import plan_rows
+from .runtime.storage.ragged_rows import plan_rows
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 

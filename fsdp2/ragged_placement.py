@@ -4,7 +4,7 @@
 (``row_bounds``), not ``torch.chunk``'s: the base of ``fsdp2.RaggedShard``.
 ``keep_ragged_placements`` teaches DTensor's sharding propagation and
 redistribution about it. Every private torch API they need is reached through
-``_torch_compat.py`` (``ShardWithOwnRows``, the propagation and planner
+``_torch_compat/dtensor.py`` (``ShardWithOwnRows``, the propagation and planner
 wrappers); this module holds the rules.
 """
 

@@ -23,7 +23,7 @@ torch 2.15:
   ``set_manual_backward_finalization`` and ``finalize_backward(async_op=True)``.
 
 torch 2.13: ``PipelineStage`` infers shapes with one real forward/backward
-(see ``after_stage_metadata_inference`` in _torch_compat.py).
+(see ``after_stage_metadata_inference`` in _torch_compat).
 """
 
 from __future__ import annotations

@@ -128,6 +128,47 @@ def test_planted_upward_import() -> None:
     assert "'runtime.group' is not below 'runtime.storage'" in problems[2]
 
 
+def import_cycles(sources: dict[Path, str], unit: str) -> list[list[str]]:
+    """The import cycles among ``unit``'s modules (``TYPE_CHECKING`` imports count), each sorted."""
+    modules = {_module_name(p): (p, s) for p, s in sources.items() if _unit(_module_name(p)) == unit}
+    graph: dict[str, set[str]] = {}
+    for name, (path, source) in modules.items():
+        targets = set()
+        for _, target in _imported(ast.parse(source), name, path.name == "__init__.py"):
+            while target and target not in modules:  # `from .m import name` -> m
+                target = target.rpartition(".")[0]
+            if target and target != name and modules[target][0].name != "__init__.py":
+                targets.add(target)
+        graph[name] = targets
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        return seen
+
+    reach = {m: reaches(m) for m in graph}
+    cycles = {tuple(sorted(m2 for m2 in reach[m] if m in reach[m2])) for m in graph if m in reach[m]}
+    return sorted(list(c) for c in cycles)
+
+
+def test_storage_modules_import_one_way() -> None:
+    """Inside the storage layer too: ``param`` -> ``ragged_rows``, ``buffer_order`` and ``ragged``
+    -> ``param``, never back (issue 61: ``ragged`` once imported ``param``, which imported it)."""
+    sources = _package_sources()
+    assert import_cycles(sources, "runtime.storage") == []
+    param = PACKAGE / "runtime" / "storage" / "param.py"
+    planted = dict(sources)
+    planted[param] = sources[param] + "\n\ndef _late():\n    from .ragged import ParamMajor\n"
+    assert import_cycles(planted, "runtime.storage") == [
+        ["fsdp2.runtime.storage.buffer_order", "fsdp2.runtime.storage.param",
+         "fsdp2.runtime.storage.ragged"]  # ragged -> buffer_order -> param -> ragged
+    ]
+
+
 def test_layers_match_design_doc() -> None:
     design = (PACKAGE.parent / "docs" / "design.md").read_text()
     for layer in LAYERS:

@@ -1,4 +1,4 @@
-"""Every private torch symbol ``fsdp2/_torch_compat.py`` wraps exists on the installed torch.
+"""Every private torch symbol ``fsdp2/_torch_compat/`` wraps exists on the installed torch.
 
 The wrappers' docstrings state the releases they were checked on; this test
 is that check, run on each torch CI tests (and by hand on others). A symbol

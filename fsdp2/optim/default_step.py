@@ -25,7 +25,7 @@ What stays as without the engine:
 
 - **User step hooks** see the DTensor parameters: before each step the
   global hook keeps the engine's pre-hook last and its post-hook first among
-  the optimizer's own (``keep_step_hooks_innermost`` in _torch_compat.py).
+  the optimizer's own (``keep_step_hooks_innermost`` in _torch_compat).
 - **A ``closure``**, a compiled ``step()``, a ``capturable`` group and any
   step while ``set_flat_step_default(False)`` is in force run the
   optimizer's own step on the DTensors (see [Note: Calls the engine steps
@@ -45,7 +45,7 @@ What stays as without the engine:
   the same keys, types and values as the optimizer's own step, the keys in
   its order (``_keep_key_order`` in step_engine.py), every tensor with a
   storage of its own and DTensor specs made as its step makes them
-  (``dtensor_state_like`` in _torch_compat.py), so the pickled bytes are
+  (``dtensor_state_like`` in _torch_compat/dtensor.py), so the pickled bytes are
   the same too. A default that changed any of this would break stacks
   that never asked for it.
 

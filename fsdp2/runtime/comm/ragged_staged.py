@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..._torch_compat import local_tensor
 from ..storage.param import FSDPParam
-from ..storage.ragged import RaggedRows
+from ..storage.ragged_rows import RaggedRows
 from . import staged_collectives
 from .staged_collectives import StagedAllGather
 

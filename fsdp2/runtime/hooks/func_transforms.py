@@ -10,7 +10,7 @@ then runs inside it too). Two things differ there from a plain forward:
    parameters into the flat shard, all-gathers, copy-out, views, resharding)
    works on plain tensors that outlive the transform, so the group methods
    that make tensors run with the transform switched off
-   (``outside_functorch`` in _torch_compat.py, on ``FSDPParamGroup.unshard``,
+   (``outside_functorch`` in _torch_compat, on ``FSDPParamGroup.unshard``,
    ``wait_for_unshard``, ``reshard``, ``reshard_to_post_forward`` and
    ``adopt_params``). The unsharded parameters are then plain tensors that
    the transformed forward uses like any other parameter: the primal output

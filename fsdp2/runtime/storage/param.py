@@ -71,7 +71,7 @@ from ...errors import FSDPAssertionError
 from ..meshes.mesh import FSDPMeshInfo
 from .extensions import ExtensionState, check_extension, has_extension, needs_own_shard
 from .param_uid import original_uid
-from .ragged import RaggedRows, same_placements
+from .ragged_rows import RaggedRows, same_placements
 from .shard_layout import ShardLayout
 from .shard_storage import alias_parameter, can_own_storage, own_storage
 
