@@ -202,6 +202,70 @@ def test_state_held_across_a_load(world_size, tmp_path):
     run_ranks(_held_across_load_body, world_size, str(tmp_path))
 
 
+def _replaced_and_flags_body(rank, world_size, tmp):
+    """As torch: a state tensor a caller replaces (``state[p][k] = t``) is stepped from then on
+    and the replaced one, still held, keeps its values; amsgrad turned on mid-training raises
+    torch's ``KeyError`` and leaves the state steppable once it is off again; a group planned
+    with amsgrad on and turned off before its first step steps without it. Against the
+    in-memory step, which is torch's."""
+    def pair(tier, copies, amsgrad=False):
+        sides = []
+        for offload in (None, tier):
+            model = build_transformer(seed=5)
+            shard_transformer(model, fully_shard, mesh=cpu_mesh())
+            opt = _optimizer(model, "adamw")
+            for g in opt.param_groups:
+                g["amsgrad"] = amsgrad
+            policy = offload and OptimizerOffloadPolicy(
+                tier=offload, directory=os.path.join(tmp, f"{offload}{copies}{amsgrad}"),
+                unit_bytes=512)
+            with _params_seen_on_accelerator(copies):
+                handle = fsdp2.enable_local_shard_step(opt, offload=policy)
+            assert handle.engine.tier.in_units == (offload is not None)
+            sides.append((model, opt, handle))
+        return sides
+
+    for tier, copies in (("nvme", False), ("host", True)):
+        (ref, ref_opt, _), (model, opt, handle) = pair(tier, copies)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _train_accumulating(m, o, rank, world_size, 2)
+        replaced, shown = [], None
+        for o in (opt, ref_opt):
+            entry = o.state[o.param_groups[1]["params"][0]]
+            old = entry["exp_avg"]
+            entry["exp_avg"] = old.clone()
+            replaced.append((entry, old))
+            shown = old.to_local().clone()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _train_accumulating(m, o, rank, world_size, 1, first=2)
+        _assert_same(model, opt, ref, ref_opt, f"{tier}: after a replaced state tensor")
+        for (entry, old), o in zip(replaced, (opt, ref_opt)):
+            assert torch.equal(old.to_local(), shown), f"{tier}: the replaced tensor followed the step"
+            assert not torch.equal(entry["exp_avg"].to_local(), shown), "the replacing one did not"
+            assert o.state[o.param_groups[1]["params"][0]]["exp_avg"] is entry["exp_avg"]
+        # amsgrad on mid-training: torch's KeyError on both, and both step on once it is off
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.param_groups[1]["amsgrad"] = True
+            with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                _train_accumulating(m, o, rank, world_size, 1, first=3)
+            o.param_groups[1]["amsgrad"] = False
+            _train_accumulating(m, o, rank, world_size, 1, first=4)
+        _assert_same(model, opt, ref, ref_opt, f"{tier}: after amsgrad on and off")
+        handle.remove()
+        # planned with amsgrad, turned off before the first step
+        (ref, ref_opt, _), (model, opt, handle) = pair(tier, copies, amsgrad=True)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.param_groups[0]["amsgrad"] = False
+            _train_accumulating(m, o, rank, world_size, 2)
+        _assert_same(model, opt, ref, ref_opt, f"{tier}: amsgrad off before the first step")
+        handle.remove()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_replaced_state_and_changed_flags_as_torch(world_size, tmp_path):
+    run_ranks(_replaced_and_flags_body, world_size, str(tmp_path))
+
+
 def _snapshot(model, opt) -> list:
     """Every parameter's and state tensor's local bytes (and every other state value)."""
     def raw(t):

@@ -487,6 +487,21 @@ class StepEngine:
 
     # ---- in a store: unit by unit ---------------------------------------------------
 
+    def _load_replaced(self, i: int, unit: Unit, state: dict) -> bool:
+        """A state tensor of the unit replaced by a caller's own (``state[p][k] = t``): the
+        unit gets fresh storage, loaded from ``state``; returns whether it did.
+
+        As in torch, the replacing tensor is stepped from now on and the replaced
+        one, wherever it is held, keeps its values: it stays on the old storage,
+        and the tensors ``state`` holds adopt the new (``publish``'s ``adopt``).
+        """
+        in_place = functools.partial(self.tier.in_place_test(), i)
+        if unit_step.loaded_in_place(unit, state, in_place):
+            return False
+        self.tier.renew(i)
+        unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
+        return True
+
     def _step_units(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Step every unit, then leave the optimizer's own step nothing to do."""
         if self._half_stepped is not None:
@@ -506,24 +521,33 @@ class StepEngine:
             )
         state, tier = optimizer.state, self.tier
         disk = isinstance(tier, DiskStore)
-        i, begun = 0, False
+        i, begun, group_begun = 0, False, False
         try:  # See [Note: Overlapping the disk with the step] in state_store.py
             tier.prefetch(0)  # read during backward by the last step's end, or now
             for i, unit in enumerate(self.units):
                 tier.prefetch(i + 1)  # read while this unit steps
+                renewed = self._load_replaced(i, unit, state)
                 views = tier.views(i)
-                begun = True
-                unit_step.step_unit(optimizer, unit, views, state, self.copies, tier.live.hold)
+                begun, group_begun = True, i > 0 and self.units[i - 1].group == unit.group
+                unit_step.step_unit(
+                    optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
+                )
+                group_begun = True
                 del views  # the mapping it stepped on goes (the store keeps a fresh one)
                 if disk:
                     # What the unit's kernels allocated (and the state a first step created
                     # before it moved to disk) is freed, but glibc keeps such blocks in its
                     # heap, resident, and they pile up unit after unit: hand them back now.
                     release_free_heap()
-                unit_step.keep(unit, tier.release(i), state)
+                unit_step.keep(unit, tier.release(i), state, adopt=renewed)
             tier.prefetch(0)  # the next step's first unit, read during forward and backward
         except BaseException as e:
-            if begun:  # some units may have stepped: no later step may build on that
+            # Some units may have stepped: no later step may build on that. Unless the
+            # optimizer's own step raised in the first unit of a param group (torch checks
+            # a group's state before it changes anything: Adam with amsgrad turned on
+            # mid-training has no 'max_exp_avg_sq'): then whole groups stepped and the rest
+            # did not, as the optimizer's own loop over its groups leaves them.
+            if begun and group_begun:
                 self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
             raise
         self._held = [g["params"] for g in optimizer.param_groups]

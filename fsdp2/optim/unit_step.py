@@ -56,12 +56,15 @@ def step_unit(
     state: dict,
     copies: bool,
     hold: Callable[[torch.Tensor], None] | None = None,
+    adopt: bool = False,
 ) -> bool:
     """One unit's step on its tier's ``views``; what the step creates moves into the tier.
 
     ``copies``: the unit steps on the host copies in ``views`` and copies the
     parameters back. ``hold``: told of every state tensor the step created
     (a first step's), which lives only until it is copied into ``views``.
+    ``adopt``: the unit has new storage, which the tensors ``state`` holds
+    adopt (else they are replaced by fresh views of the same storage).
     Returns whether the step created state (freed now, in the C heap).
     """
     created = False
@@ -90,6 +93,8 @@ def step_unit(
     for i, p, local, work in params:
         new = step.state.get(work)
         for k in unit.keys[i] if new else ():
+            if k not in new:  # planned with a flag the group no longer has (amsgrad turned off)
+                continue
             if new[k] is not views[(i, k)]:  # created by this step: move it into the tier
                 created = True
                 if hold is not None:
@@ -97,7 +102,7 @@ def step_unit(
                 views[(i, k)].copy_(new[k])
         if new:  # (a stateless step, SGD without momentum, makes no entry: as torch's)
             values = {k: (_own(views[(i, k)]) if k in unit.keys[i] else v) for k, v in new.items()}
-            publish(state, p, values, adopt=False)
+            publish(state, p, values, adopt=adopt)
         work.grad = None
         if copies:
             local.copy_(work, non_blocking=True)
@@ -108,13 +113,14 @@ def step_unit(
     return created
 
 
-def keep(unit: Unit, views: dict, state: dict) -> None:
-    """``optimizer.state`` of the unit's parameters: views of the tier (DTensors where sharded)."""
+def keep(unit: Unit, views: dict, state: dict, adopt: bool = False) -> None:
+    """``optimizer.state`` of the unit's parameters: views of the tier (DTensors where sharded);
+    ``adopt`` as ``step_unit``'s."""
     for i, p in enumerate(unit.params):
         if p in state:
             publish(state, p, {
                 k: _own(views[(i, k)]) if k in unit.keys[i] else v for k, v in state[p].items()
-            }, adopt=False)
+            }, adopt=adopt)
 
 
 def _own(view: torch.Tensor) -> torch.Tensor:
