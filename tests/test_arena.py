@@ -211,6 +211,44 @@ def _accelerator_layout(rank, world_size):
     assert len(flat_step_engine(opt).runs()) == len(groups)
 
 
+def _parameter_major_groups(rank, world_size):
+    """RaggedShard groups share one arena too: their old buffers are freed (a rank holding none
+    of a parameter's rows holds no memory for it), and training is bitwise to the same groups
+    each in a buffer of its own (arenas kept off while wrapping the reference)."""
+    from fsdp2.runtime.storage.flat_shard import FlatShard
+
+    moved = []
+    ragged = {"shard_placement_fn": lambda p: fsdp2.RaggedShard()}
+    ref, ours = build_transformer(seed=5), build_transformer(seed=5)
+    can_join = FlatShard.can_join
+    FlatShard.can_join = lambda self: False
+    try:
+        shard_transformer(ref, fsdp2.fully_shard, mesh=cpu_mesh(), **ragged)
+    finally:
+        FlatShard.can_join = can_join
+    move_into = FlatShard.move_into
+
+    def watched(self, arena, buffer):
+        moved.append(weakref.ref(self.buffer.untyped_storage()))
+        move_into(self, arena, buffer)
+
+    FlatShard.move_into = watched
+    try:
+        shard_transformer(ours, fsdp2.fully_shard, mesh=cpu_mesh(), **ragged)
+    finally:
+        FlatShard.move_into = move_into
+    assert len(_homes(ours)) == 1 and len(_homes(ref)) > 1
+    assert moved and all(old() is None for old in moved), "an old buffer outlived the move"
+    for p in ours.parameters():
+        if p.to_local().numel() == 0:
+            assert p.to_local().untyped_storage().nbytes() == 0
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, ref)]
+    for m, o in zip((ours, ref), opts):
+        _train(m, o, rank, world_size, 3)
+    _assert_equal(ours, ref, "parameter-major groups in an arena")
+    assert len(flat_step_engine(opts[0]).runs()) < len(flat_step_engine(opts[1]).runs())
+
+
 CASES = {
     "one_arena_one_run": _one_arena_one_run,
     "gradients_freed": _gradients_freed_and_never_overwritten,
@@ -218,6 +256,7 @@ CASES = {
     "leaving": _leaving_the_arena,
     "to_empty": _to_empty_in_one_allocation,
     "accelerator_layout": _accelerator_layout,
+    "parameter_major": _parameter_major_groups,
 }
 
 

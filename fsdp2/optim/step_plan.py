@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -168,7 +169,7 @@ def plan_runs(params: list, across_groups: bool = True) -> tuple[list[FlatRun], 
         home, start = (slot.home, slot.home_start) if across_groups else (slot.group, slot.start)
         order = first_seen.setdefault(id(home.buffer), i)
         placed.append((order, start, p, home, start + slot.stop - slot.start))
-    placed.sort(key=lambda e: (e[0], e[1]))
+    placed.sort(key=lambda e: (e[0], e[1], e[4]))  # an empty slot before one at its start
     runs: list[FlatRun] = []
     current: list = []
 
@@ -185,7 +186,7 @@ def plan_runs(params: list, across_groups: bool = True) -> tuple[list[FlatRun], 
             _, _, prev, prev_home, prev_stop = current[-1]
             if (
                 prev_home is not home
-                or prev_stop != start
+                or (prev_stop != start and not _padding(home, prev_stop, start))
                 or local_tensor(prev).dtype != local_tensor(p).dtype
                 or prev.requires_grad != p.requires_grad
             ):
@@ -193,6 +194,12 @@ def plan_runs(params: list, across_groups: bool = True) -> tuple[list[FlatRun], 
         current.append(entry)
     close()
     return runs, leftovers
+
+
+def _padding(home: Any, stop: int, start: int) -> bool:
+    """Whether a run may go on across ``[stop, start)``: padding of its layout, no parameter's
+    (the parameter-major layout's gaps between parameters and between groups)."""
+    return stop < start and home.padding_between(stop, start)
 
 
 @dataclass

@@ -97,6 +97,14 @@ class Arena:
         start = self.starts[flat]
         return self.buffer[start : start + size]
 
+    def padding_between(self, a: int, b: int) -> bool:
+        """``FlatShard.padding_between`` in the arena's elements (a left member's slice too)."""
+        for flat, start in self.starts.items():
+            lo, hi = max(a, start), min(b, start + flat.buffer.numel())
+            if lo < hi and not flat.padding_between(lo - start, hi - start):
+                return False
+        return True
+
     def leave(self, flat: FlatShard) -> None:
         """``flat`` re-allocated its buffer: it is no longer in this arena's layout."""
         if self.starts.pop(flat, None) is not None:

@@ -141,6 +141,19 @@ class FlatShard:
     def slot(self, index: int) -> torch.Tensor:
         return self.layout.slot(self.buffer, index)
 
+    def padding_between(self, a: int, b: int) -> bool:
+        """Whether elements ``[a, b)`` of the buffer hold no parameter's values: the padding a
+        flat run may step through (zeros, stepped with zero gradients, read by nobody)."""
+        if self.layout.mixed:
+            return False
+        for i, p in enumerate(self.fsdp_params):
+            start, stop = self.layout.starts[i], self.layout.stops[i]
+            if p.in_flat:  # (else its slot is not its storage: kept whole, to be safe)
+                stop = start + local_tensor(p.sharded_param).numel()
+            if start < b and stop > a:
+                return False
+        return True
+
     def adopt(self) -> bool:
         """Make the registered sharded parameters views of the buffer again, keeping values.
 
@@ -213,9 +226,6 @@ class FlatShard:
             and not buffer.is_meta
             and buffer.numel() > 0
             and self.replica_slices is None  # they cut the buffer they were made on
-            # a parameter-major group's moved shard left its old buffer alive (+1 shard per
-            # rank at every peak, bench_layouts.py): not moved until that is understood
-            and not self.order.param_major
         )
 
     def move_into(self, arena: Any, buffer: torch.Tensor) -> None:
