@@ -12,9 +12,12 @@ way, so a param group whose parameters fill an arena steps as one run: one
 gradient view, one state buffer per key, a few kernels per step however many
 groups, and ``zero_grad`` one fill or one release.
 
-Not yet for parameter-major groups (``RaggedShard``): moving one left its old
-buffer alive, a shard per rank more at every peak (``bench_layouts.py --quick``),
-so ``FlatShard.can_join`` keeps them out until that is understood.
+Parameter-major groups (``RaggedShard``) join too. Their parameters lie with
+gaps of padding between them and at each group's end, so a run goes on
+across padding (``padding_between``: elements no parameter holds, zeros
+stepped with zero gradients, as a dim-0 slot's padding rows are). A rank
+holding no row of a parameter holds no memory for it (``FSDPParam.local_view``):
+a view of its empty slot kept the whole old buffer alive after the move.
 
 When. Groups move into an arena only where nothing outside fsdp2 can hold
 their local tensors yet: at the end of a ``fully_shard`` call on a module that
