@@ -233,8 +233,8 @@ class Sequence:
     def raising_step(self, side: Side, arg: float) -> None:
         """A step that raises inside the optimizer: ``capturable`` on CPU, or a failing hook."""
         group = side.opt.param_groups[0]
-        # (a store tier then refuses every step: it cannot tell how much of a unit stepped)
-        if "capturable" in group and arg < 0.5 and self.tier != "nvme":
+        # (torch refuses it before any change: a store tier's first unit raises, nothing stepped)
+        if "capturable" in group and arg < 0.5:
             group["capturable"] = True
             try:
                 side.opt.step()

@@ -235,12 +235,14 @@ class FSDPParam:
     def local_view(self, slot: torch.Tensor) -> torch.Tensor:
         """The local shard as a view of ``slot``'s memory through a storage of its own.
 
-        See [Note: Sharded parameter storage]. A rank holding no element gets a
-        tensor of no memory: a view of an empty slot would keep the buffer it
-        was cut from alive after the group moved (an arena, ``.to``), and an
-        empty tensor is every slot's view (its data pointer is null).
+        See [Note: Sharded parameter storage]. An empty slot (a parameter-major
+        rank holding no row of the parameter) gets a tensor of no memory: a
+        view of it would keep the buffer it was cut from alive after the group
+        moved (an arena, ``.to``), and an empty tensor is every empty slot's
+        view (its data pointer is null). A padded slot keeps its storage, as
+        upstream's empty shard does (``torch.save`` writes its padding).
         """
-        if self.local_rows * self.row_numel == 0:
+        if slot.numel() == 0:
             return torch.empty(self.local_size, dtype=slot.dtype, device=slot.device)
         return self.slot_view(own_storage(slot))
 
@@ -343,7 +345,7 @@ class FSDPParam:
             return False
         if local.size() != self.local_size or not local.is_contiguous():
             return False
-        if local.numel() == 0:
+        if slot.numel() == 0:
             return local.untyped_storage().nbytes() == 0  # holds no buffer (see local_view)
         if can_own_storage(slot):
             # See [Note: Sharded parameter storage]: the slot's memory, its own storage.
@@ -351,6 +353,8 @@ class FSDPParam:
             storage = local.untyped_storage()
             return local.data_ptr() == slot.data_ptr() and storage.nbytes() == slot.nbytes
         view = self.slot_view(slot)
+        if view.numel() == 0:
+            return local.numel() == 0 and local is view
         # Fake tensors (the planner, fsdp2.plan) all report data pointer 0: compare
         # the storage objects themselves, which torch keeps one per storage.
         return (
