@@ -233,8 +233,10 @@ class Sequence:
     def raising_step(self, side: Side, arg: float) -> None:
         """A step that raises inside the optimizer: ``capturable`` on CPU, or a failing hook."""
         group = side.opt.param_groups[0]
-        # (torch refuses it before any change: a store tier's first unit raises, nothing stepped)
-        if "capturable" in group and arg < 0.5:
+        # (not on the NVMe tier: torch creates the whole group's state before it refuses
+        # capturable on CPU, the unit-by-unit step only the first unit's, and keeps none:
+        # docs/optimizers.md)
+        if "capturable" in group and arg < 0.5 and self.tier != "nvme":
             group["capturable"] = True
             try:
                 side.opt.step()
