@@ -325,7 +325,7 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
     entries: dict[str, list[int]] = {}
     if writer is not None:
         for algorithm, sums in _gather((writer.algorithm, writer.sums()), group):
-            if algorithm == writer.algorithm:  # else summed again below, in this rank's
+            if algorithm == writer.algorithm:  # a rank summing otherwise: re-summed below
                 entries.update(sums)
 
     def finish() -> None:

@@ -159,6 +159,9 @@ class StepEngine:
         # gradient: (param group, its run's parameters, their .grad objects, the flat gradient)
         self._grad_views: list[tuple[dict, list, list, torch.Tensor]] = []
         self._half_stepped: int | None = None  # the unit a failed store step stopped at
+        # each unit's state tensors as last published (``unit_step.held``), by identity
+        self._published: list[list | None] = [None] * len(self.units)
+        self._in_place: Any = None  # the tier's in-place test during a step, made on demand
         self._failure = ""
         # ``optimizer.state``'s keys before a step that may create state (see _keep_key_order)
         self._keys_before: list | None = None
@@ -284,6 +287,7 @@ class StepEngine:
                 test = None
             unit_step.load_unit(unit, tier.views(i), state, self.copies, test)
             unit_step.keep(unit, tier.release(i), state)
+            self._published[i] = unit_step.held(unit, state)
         self.tier.wait()
         self._half_stepped = None  # every unit holds the loaded state now
 
@@ -494,11 +498,19 @@ class StepEngine:
         As in torch, the replacing tensor is stepped from now on and the replaced
         one, wherever it is held, keeps its values: it stays on the old storage,
         and the tensors ``state`` holds adopt the new (``publish``'s ``adopt``).
+        Every step asks; the answer is one identity check per state tensor, and
+        only where an object changed is its memory looked at (a disk tier reads
+        the process's mappings for that).
         """
-        in_place = functools.partial(self.tier.in_place_test(), i)
-        if unit_step.loaded_in_place(unit, state, in_place):
+        published = self._published[i]
+        if published is not None and _same_objects(published, unit_step.held(unit, state)):
+            return False
+        if self._in_place is None:  # one per step, until a renewal
+            self._in_place = self.tier.in_place_test()
+        if unit_step.loaded_in_place(unit, state, functools.partial(self._in_place, i)):
             return False
         self.tier.renew(i)
+        self._in_place = None
         unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
         return True
 
@@ -521,18 +533,26 @@ class StepEngine:
             )
         state, tier = optimizer.state, self.tier
         disk = isinstance(tier, DiskStore)
-        i, begun, group_begun = 0, False, False
+        i, begun, clean = 0, False, False
+        self._in_place = None
         try:  # See [Note: Overlapping the disk with the step] in state_store.py
             tier.prefetch(0)  # read during backward by the last step's end, or now
             for i, unit in enumerate(self.units):
                 tier.prefetch(i + 1)  # read while this unit steps
                 renewed = self._load_replaced(i, unit, state)
                 views = tier.views(i)
-                begun, group_begun = True, i > 0 and self.units[i - 1].group == unit.group
-                unit_step.step_unit(
-                    optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
-                )
-                group_begun = True
+                begun = True
+                try:
+                    unit_step.step_unit(
+                        optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
+                    )
+                except Exception:
+                    # The optimizer raised in its group's first unit: torch checks a group
+                    # before it changes anything (Adam with amsgrad turned on mid-training
+                    # has no 'max_exp_avg_sq'), so whole groups stepped and the rest did not,
+                    # as the optimizer's own loop over its groups leaves them.
+                    clean = i == 0 or self.units[i - 1].group != unit.group
+                    raise
                 del views  # the mapping it stepped on goes (the store keeps a fresh one)
                 if disk:
                     # What the unit's kernels allocated (and the state a first step created
@@ -540,14 +560,10 @@ class StepEngine:
                     # heap, resident, and they pile up unit after unit: hand them back now.
                     release_free_heap()
                 unit_step.keep(unit, tier.release(i), state, adopt=renewed)
+                self._published[i] = unit_step.held(unit, state)
             tier.prefetch(0)  # the next step's first unit, read during forward and backward
         except BaseException as e:
-            # Some units may have stepped: no later step may build on that. Unless the
-            # optimizer's own step raised in the first unit of a param group (torch checks
-            # a group's state before it changes anything: Adam with amsgrad turned on
-            # mid-training has no 'max_exp_avg_sq'): then whole groups stepped and the rest
-            # did not, as the optimizer's own loop over its groups leaves them.
-            if begun and group_begun:
+            if begun and not clean:  # some units may have stepped: no later step builds on it
                 self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
             raise
         self._held = [g["params"] for g in optimizer.param_groups]
@@ -591,6 +607,11 @@ def _keep_key_order(optimizer: torch.optim.Optimizer, before: list) -> None:
     values = [(k, state.pop(k)) for k in order]
     for k, v in values:
         state[k] = v
+
+
+def _same_objects(a: list, b: list) -> bool:
+    """The same objects, in order, compared by identity (looped in C)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 class _Entries:

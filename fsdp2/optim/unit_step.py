@@ -123,6 +123,13 @@ def keep(unit: Unit, views: dict, state: dict, adopt: bool = False) -> None:
             }, adopt=adopt)
 
 
+def held(unit: Unit, state: dict) -> list:
+    """The state tensors ``optimizer.state`` holds for the unit's parameters, in order."""
+    return [
+        state[p].get(k) for i, p in enumerate(unit.params) if p in state for k in unit.keys[i]
+    ]
+
+
 def _own(view: torch.Tensor) -> torch.Tensor:
     """A tier's view through a storage of its own (offset 0), as a plain step's state has.
 

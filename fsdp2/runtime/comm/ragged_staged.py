@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import local_tensor
 from ..storage.param import FSDPParam
 from ..storage.ragged_rows import RaggedRows
 from . import staged_collectives
@@ -73,17 +72,14 @@ def gather_inputs(
     """The rows of the parameters without hooks (on ``device``; ``None`` for a hooked one,
     which sends its inputs instead) and each hooked parameter's pre-hook inputs by index."""
     rows: list[torch.Tensor | None] = []
-    hook_inputs = {}
+    hooked = {}
     for i, (p, slot) in enumerate(zip(fsdp_params, slots)):
         if p.extension is None:
             rows.append(slot.to(device, non_blocking=pin_memory))
-            continue
-        rows.append(None)
-        local = local_tensor(p.sharded_param)
-        if offload:
-            local = local.to(device, non_blocking=True)
-        hook_inputs[i] = p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, None, p.fqn)
-    return rows, hook_inputs
+        else:
+            rows.append(None)
+            hooked[i] = staged_collectives.hook_inputs(p, device, offload, None)
+    return rows, hooked
 
 
 def all_gather(

@@ -99,17 +99,21 @@ def gather_inputs(
     for p, slot in zip(fsdp_params, slots):
         if p.extension is None:
             inputs.append([slot.to(device, p.param_dtype or slot.dtype, non_blocking=pin_memory)])
-            continue
-        local = local_tensor(p.sharded_param)
-        if offload:  # upstream hands the pre hook the shard on the device
-            local = local.to(device, non_blocking=True)
-        inputs.append(
-            p.extension.pre_all_gather(
-                local, p.orig_size, p.orig_stride,
-                torch.Size([p.shard_rows, *p.orig_size[1:]]), p.fqn,
-            )
-        )
+        else:
+            padded = torch.Size([p.shard_rows, *p.orig_size[1:]])
+            inputs.append(hook_inputs(p, device, offload, padded))
     return inputs
+
+
+def hook_inputs(
+    p: FSDPParam, device: torch.device, offload: bool, padded_size: torch.Size | None
+) -> Any:
+    """What a parameter's ``fsdp_pre_all_gather`` makes of its shard; under CPU offload the
+    shard is first moved to ``device``, as upstream hands it to the hook."""
+    local = local_tensor(p.sharded_param)
+    if offload:
+        local = local.to(device, non_blocking=True)
+    return p.extension.pre_all_gather(local, p.orig_size, p.orig_stride, padded_size, p.fqn)
 
 
 def all_gather(
