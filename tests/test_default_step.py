@@ -158,7 +158,7 @@ def _zero_grad_flat(rank, world_size):
         loss_of(model, rank_slice(batch_of(0, 2 * world_size), rank, world_size)).backward()
         opt.step()
         engine = flat_step_engine(opt)
-        views = list(engine._grad_views)
+        views = list(engine.memory.grad_views)
         grads = [p.grad for p in model.parameters()]
         if world_size > 1:  # the reduce-scatter output is each run's flat gradient
             assert len(views) == len(engine.runs()), (len(views), len(engine.runs()))

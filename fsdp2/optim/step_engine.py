@@ -3,19 +3,25 @@
 ``StepEngine`` runs around the user's ``optimizer.step()`` (a pre- and a
 post-hook). It cuts each param group once (``plan_group`` in step_plan.py:
 flat runs of fsdp2's buffers, leftovers stepped per parameter) and steps the
-group in one of two strategies, chosen by its tier (state_store.py):
+group by one of two strategies, chosen by its tier (state_store.py):
 
-- ``MemoryTier``: the group's DTensor parameters are swapped for plain
-  tensors the optimizer steps without DTensor dispatch (see [Note: Why local
-  shards] in local_shard_step.py): the pieces of the flat runs (see [Note:
-  Flat optimizer steps] in flat_run.py) and, as the fallback for whatever
-  cannot be flat, each parameter's local shard with its local state. The
-  user's optimizer steps them all in one call; then the parameters come back.
-- ``HostStore`` / ``DiskStore``: the runs are cut into units (``plan_units``)
-  and each unit steps on the tier's state views (see [Note: Stepping in
-  units] in unit_step.py); the user's optimizer then steps empty lists.
+- in memory (``MemoryTier``), ``MemoryStep`` (memory_step.py): the group's
+  DTensor parameters are swapped for plain tensors the optimizer steps
+  without DTensor dispatch (see [Note: Why local shards] in
+  local_shard_step.py): the pieces of the flat runs (see [Note: Flat
+  optimizer steps] in flat_run.py) and, as the fallback for whatever cannot
+  be flat, each parameter's local shard with its local state. The user's
+  optimizer steps them all in one call; then the parameters come back.
+- in a store (``HostStore`` / ``DiskStore``), ``StoreStep``
+  (store_step.py): the runs are cut into units (``plan_units``) and each
+  unit steps on the tier's state views (see [Note: Stepping in units] in
+  unit_step.py); the user's optimizer then steps empty lists.
 
 Either way ``optimizer.state`` holds the views that state_views.py makes.
+The engine is the one way through a step: it plans (step_plan.py), hands
+the plans to the strategy, which steps on the storage its tier gives
+(state_store.py, flat_run.py) and publishes (state_views.py); no module
+below it calls back into it.
 
 [Note: Calls the engine steps aside for]
 The engine owns only what it wrote, and only calls it foresaw step on it;
@@ -48,48 +54,24 @@ upstream's bits, and the runs rebuild from the state that step leaves (see
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import operator
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .._torch_compat import fast_grad_access, local_tensor
 from ..api import OptimizerOffloadPolicy
 from . import unit_step
-from .flat_run import FlatRun, flat_grads
-from .replica_sharded_step import ReplicaShardedStep, SlicedRun
-from .state_store import DiskStore, open_tier, release_free_heap
-from .state_views import publish, unwrap
-from .step_plan import (
-    GroupPlan,
-    Unit,
-    cpu_loop_choice,
-    elementwise_names,
-    is_elementwise,
-    plan_group,
-    plan_units,
-)
+from .flat_run import FlatRun
+from .memory_step import MemoryStep
+from .replica_sharded_step import ReplicaShardedStep
+from .state_store import StateTier, open_tier
+from .step_plan import GroupPlan, Unit, elementwise_names, is_elementwise, plan_group, plan_units
+from .store_step import StoreStep
 
 logger = logging.getLogger("fsdp2.optim.local_shard_step")  # the name users filter on
-
-
-class _Swapped:
-    """One param group during an in-memory ``step``: what it held, and what stands in for it."""
-
-    def __init__(self, group: dict, params: list) -> None:
-        self.group = group
-        self.params = params  # the group's own list, put back after the step
-        self.runs: list[FlatRun] = []  # stepped as flat runs
-        self.singles: list[tuple[DTensor, torch.Tensor]] = []  # (parameter, its local tensor)
-        self.sliced: list[SlicedRun] = []  # HSDP, state sharded across replicas
-        # (the user's foreach,) when this step takes another (see [Note: The C++ loop on CPU])
-        self.foreach: tuple = ()
 
 
 class StepEngine:
@@ -131,7 +113,6 @@ class StepEngine:
             )
         self.optimizer = optimizer
         self.offload_requested = offload is not None  # even where the state stays in place
-        self.flat_groups_only = flat_groups_only
         self.flat = flat_buffers and is_elementwise(optimizer)
         if flat_buffers and not self.flat:
             logger.debug(
@@ -141,34 +122,31 @@ class StepEngine:
                 elementwise_names(),
             )
         self.plans: dict[int, GroupPlan] = {}  # id(param group) -> its cut
-        self.units: list[Unit] = []  # a store tier's units, made from the plans
-        self.copies = False  # the host tier steps host copies of device parameters
+        self.memory = MemoryStep(self.replicas, flat_groups_only)
+        self.store: StoreStep | None = None  # the unit-by-unit step, in a host or disk tier
+        copies = False  # the host tier steps host copies of device parameters
         if offload is not None and offload.tier == "host":
-            self.copies = unit_step.params_on_accelerator(optimizer)
-            if not self.copies:  # CPU ranks: the state already is in host memory, keep it in place
+            copies = unit_step.params_on_accelerator(optimizer)
+            if not copies:  # CPU ranks: the state already is in host memory, keep it in place
                 offload = None
+        units: list[Unit] = []
         if offload is not None:  # planned once: the tier's layout depends on it
-            groups = optimizer.param_groups
-            plans = [self.plan_of(g) for g in groups]
-            self.units = plan_units(optimizer, plans, offload.unit_bytes, self.copies)
-        self._planned = [tuple(map(id, g["params"])) for g in optimizer.param_groups]
-        self.tier = open_tier(offload, [u.layout for u in self.units])
-        self._swapped: list[_Swapped] = []
-        self._held: list[list[Any]] = []
-        # the last in-memory step's runs whose gradients were views of one flat
-        # gradient: (param group, its run's parameters, their .grad objects, the flat gradient)
-        self._grad_views: list[tuple[dict, list, list, torch.Tensor]] = []
-        self._half_stepped: int | None = None  # the unit a failed store step stopped at
-        # each unit's state tensors as last published (``unit_step.held``), by identity
-        self._published: list[list | None] = [None] * len(self.units)
-        self._in_place: Any = None  # the tier's in-place test during a step, made on demand
-        self._failure = ""
+            plans = [self.plan_of(g) for g in optimizer.param_groups]
+            units = plan_units(optimizer, plans, offload.unit_bytes, copies)
+        self.tier: StateTier = open_tier(offload, [u.layout for u in units])
+        if self.tier.in_units:
+            self.store = StoreStep(optimizer, units, self.tier, copies)
+        self._held: list[list[Any]] = []  # the groups' parameters while a store step runs
         # ``optimizer.state``'s keys before a step that may create state (see _keep_key_order)
         self._keys_before: list | None = None
         self._new_state = False  # this step may create state (some run's first step, ...)
-        self._entries: _Entries | None = None  # optimizer.state's entries after the last step
-        if self.tier.in_units:
-            self.after_load(optimizer)  # state the optimizer has already moves into the tier
+        if self.store is not None:
+            self.store.load(optimizer)  # state the optimizer has already moves into the tier
+
+    @property
+    def units(self) -> list[Unit]:
+        """The store tier's units (none in memory)."""
+        return self.store.units if self.store is not None else []
 
     def plan_of(self, group: dict) -> GroupPlan:
         """``group``'s cut, planned again when its parameters or their buffers changed."""
@@ -188,13 +166,13 @@ class StepEngine:
         """The optimizer stepped without the engine: each run rebuilds from its state next time."""
         for run in self.runs():
             run.forget()
-        self._grad_views = []
+        self.memory.grad_views = []
 
     # ---- the hooks ----------------------------------------------------------------
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():  # See [Note: Calls the engine steps aside for]
-            if self.tier.in_units or self.replicas is not None:
+            if self.store is not None or self.replicas is not None:
                 _refuse_compiled_step(optimizer, self._kept_where())
             return
         self.recover()
@@ -212,18 +190,23 @@ class StepEngine:
             self.replicas.wait()  # the last step's all-gather lands before this one steps
             self.replicas.track()  # param groups added since
         state = optimizer.state
-        self._new_state = self.tier.in_units or self.replicas is not None
-        self._keys_before = list(state) if self._new_state else None
-        if self.tier.in_units:
-            self._step_units(optimizer, args, kwargs)
+        if self.store is not None:
+            self._new_state = True
+            self._keys_before = list(state)
+            self.store.step(optimizer)
+            self._held = [g["params"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["params"] = []
             return
         count = len(state)
+        plans = [self.plan_of(g) for g in optimizer.param_groups]
         try:
-            self._swap_in(optimizer)
+            new_state = self.memory.swap_in(optimizer, plans)
         except BaseException:  # a refusal half-way: the groups get their own parameters back
-            self._swap_out(state)
+            self.memory.swap_out(state)
             raise
-        if self._new_state and self._keys_before is None:
+        self._new_state = new_state or self.replicas is not None
+        if self._new_state:
             # The swap only appended keys (the stand-ins'), so the first ``count`` are the
             # keys before the step. Read only on steps that may create state: reading every
             # key touches every parameter object, about 1 us each after a backward.
@@ -232,16 +215,13 @@ class StepEngine:
     def after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        for g, params in zip(optimizer.param_groups, self._held):
-            g["params"] = params
-        self._held = []
-        self._swap_out(optimizer.state)
+        self._give_back(optimizer)
         if self.replicas is not None:
             self.replicas.after_step()
         if self._new_state and self._keys_before is not None:
             _keep_key_order(optimizer, self._keys_before)
         self._keys_before = None
-        self._entries = _Entries(optimizer.state)
+        self.memory.after_step(optimizer.state)
 
     def recover(self, *_: Any) -> None:
         """A ``step()`` that raised left stand-ins in the param groups: put the parameters back.
@@ -252,14 +232,16 @@ class StepEngine:
         first: the groups get their DTensor parameters back and the state
         the step left is published as after any step.
         """
-        if not (self._swapped or self._held):
+        if not (self.memory.swapped or self._held):
             return
-        optimizer = self.optimizer
+        self._give_back(self.optimizer)
+        self._keys_before = None
+
+    def _give_back(self, optimizer: torch.optim.Optimizer) -> None:
         for g, params in zip(optimizer.param_groups, self._held):
             g["params"] = params
         self._held = []
-        self._swap_out(optimizer.state)
-        self._keys_before = None
+        self.memory.swap_out(optimizer.state)
 
     def _kept_where(self) -> str:
         if self.replicas is not None:
@@ -273,170 +255,29 @@ class StepEngine:
         ``optimizer.state`` before its next step and rebuilds from it
         (``FlatRun.adopt_state``); leftovers read it as it is.
         """
-        self._entries = None  # holds none of the replaced state alive
+        self.memory.forget_state()  # holds none of the replaced state alive
         if self.replicas is not None:  # the slices take their part now: state_dict() sees it
             self.replicas.after_load(optimizer.state)
-        if not self.tier.in_units:
-            return
-        state, tier = optimizer.state, self.tier
-        in_place = tier.in_place_test()
-        for i, unit in enumerate(self.units):
-            test = functools.partial(in_place, i)
-            if not unit_step.loaded_in_place(unit, state, test):
-                tier.renew(i)  # a state dict taken before the load keeps what it showed
-                test = None
-            unit_step.load_unit(unit, tier.views(i), state, self.copies, test)
-            unit_step.keep(unit, tier.release(i), state)
-            self._published[i] = unit_step.held(unit, state)
-        self.tier.wait()
-        self._half_stepped = None  # every unit holds the loaded state now
+        if self.store is not None:
+            self.store.load(optimizer)
 
     def close(self) -> None:
         """Stop: state in files comes back into ordinary memory, the tier is released."""
-        self._entries = None  # holds no published view (of a mapped file) alive
+        self.memory.forget_state()  # holds no published view (of a mapped file) alive
         if self.replicas is not None:
             self.replicas.close()
-        if isinstance(self.tier, DiskStore):
-            state = self.optimizer.state
-            for unit in self.units:
-                for i, p in enumerate(unit.params):
-                    if p in state:
-                        publish(state, p, {
-                            k: v.clone() if k in unit.keys[i] else v
-                            for k, v in unwrap(state[p]).items()
-                        })
-        self.tier.close()
+        if self.store is not None:
+            self.store.close(self.optimizer)
+        else:
+            self.tier.close()
 
-    # ---- in memory: one call over every run and leftover ----------------------------
-
-    def _swap_in(self, optimizer: torch.optim.Optimizer) -> None:
-        state = optimizer.state
-        self._grad_views = []
-        # the same keys and per-parameter dicts as the last step left: one pass looped in C,
-        # where each run would look its parameters up (a Python hash per parameter)
-        entries_unchanged = _Entries(state) == self._entries
-        for gi, group in enumerate(optimizer.param_groups):
-            params = group["params"]
-            plan = self.plan_of(group)
-            if self.replicas is not None:
-                self.replicas.check_leftovers(plan.leftovers)
-            # runs are DTensors; their gradients are checked as they are gathered
-            if not _all_local_steppable(plan.leftovers):
-                continue
-            if self.flat_groups_only and group.get("capturable"):
-                # CUDA-graph steps: torch's own, on the DTensors (never proven on runs)
-                for run in plan.runs:
-                    run.forget()
-                continue
-            # each run's gradient, and the .grad objects it views (or None): the runs hold neither
-            grads, objects = zip(*flat_grads(plan.runs)) if plan.runs else ((), ())
-            if self.flat_groups_only and (
-                plan.leftovers
-                or not plan.runs
-                or not all(
-                    g is not None or _all_local_steppable(r.params) for r, g in zip(plan.runs, grads)
-                )
-            ):  # stepped by the optimizer as it is, on the DTensors
-                for run in plan.runs:
-                    run.forget()  # its state moves without the run (see FlatRun.adopt_state)
-                continue
-            swapped = _Swapped(group, params)
-            stand_ins: list[torch.Tensor] = []
-            singles = list(plan.leftovers)
-            for run, grad, grad_objects in zip(plan.runs, grads, objects):
-                sliced = self.replicas.sliced(run, gi) if self.replicas is not None else None
-                if sliced is not None:  # only this replica rank's slice of the run
-                    if grad is None:
-                        self.replicas.check_leftovers([p for p in run.params if p.grad is not None])
-                        continue
-                    stand_ins += sliced.attach(state, grad)
-                    swapped.sliced.append(sliced)
-                    continue
-                if grad is None or not run.adopt_state(state, entries_unchanged):
-                    # some gradients missing, or state the run cannot hold: one by one
-                    # (which rewrites the per-parameter state, so the run rebuilds next time)
-                    run.forget()
-                    singles.extend(run.params)
-                    continue
-                # See [Note: Fused kernels step per parameter] in flat_run.py
-                stand_ins += run.attach(state, grad, per_parameter=bool(group.get("fused")))
-                swapped.runs.append(run)
-                self._new_state |= run.views is None  # its first step: state published after
-                if grad_objects is not None:  # views of one flat gradient
-                    self._grad_views.append((group, run.params, grad_objects, grad))
-            for p in singles:  # the per-parameter fallback
-                local = local_tensor(p).detach()
-                grad = p.grad
-                local.grad = None if grad is None else local_tensor(grad)
-                if p in state:  # p's key stays where it is: replaced after the step
-                    state[local] = unwrap(state[p])
-                else:
-                    self._new_state = True
-                swapped.singles.append((p, local))
-                stand_ins.append(local)
-            group["params"] = stand_ins
-            foreach = cpu_loop_choice(optimizer, group, stand_ins)
-            if foreach is not None:
-                swapped.foreach = (group["foreach"],)
-                group["foreach"] = foreach
-            self._swapped.append(swapped)
-
-    def _swap_out(self, state: dict) -> None:
-        for swapped in self._swapped:
-            for run in swapped.runs:
-                run.detach(state)
-            for sliced in swapped.sliced:
-                sliced.detach(state)
-            for p, local in swapped.singles:
-                local.grad = None
-                if local in state:
-                    publish(state, p, state.pop(local))
-            swapped.group["params"] = swapped.params
-            if swapped.foreach:
-                swapped.group["foreach"] = swapped.foreach[0]
-        self._swapped = []
-
-    # ---- zero_grad: one fill per flat gradient ------------------------------------
+    # ---- zero_grad and step, routed through the engine ---------------------------------
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, zero_grad: Any, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad``: each flat gradient the last step used cleared at once.
-
-        Where a run's ``.grad`` objects are still the views of one flat gradient
-        the last step found, ``set_to_none=False`` is one ``zero_()`` of that
-        gradient (padding included, which is zero already) and ``set_to_none=True``
-        drops every view, so the flat gradient is freed at once. The other
-        parameters go to ``zero_grad`` (the optimizer's own), as without the engine.
-        """
+        """``optimizer.zero_grad``: each flat gradient the last step used cleared at once
+        (``MemoryStep.zero_grad``), the rest by the optimizer's own."""
         self.recover()
-        cleared: dict[int, set[int]] = {}  # id(param group) -> ids of its cleared parameters
-        with fast_grad_access():
-            for group, params, grads, flat in self._grad_views:
-                if set_to_none:  # None whatever they hold now: no check needed
-                    for p in params:
-                        p.grad = None
-                elif all(p.grad is g for p, g in zip(params, grads)):
-                    flat.zero_()
-                else:
-                    continue
-                cleared.setdefault(id(group), set()).update(map(id, params))
-        if set_to_none:
-            self._grad_views = []  # holds no flat gradient alive
-        if not cleared:
-            zero_grad(set_to_none)
-            return
-        groups = optimizer.param_groups
-        held = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                mine = cleared.get(id(g))
-                if mine is None:
-                    continue
-                params = g["params"]
-                g["params"] = [p for p in params if id(p) not in mine] if len(mine) < len(params) else []
-            zero_grad(set_to_none)
-        finally:
-            for g, params in zip(groups, held):
-                g["params"] = params
+        self.memory.zero_grad(optimizer, zero_grad, set_to_none)
 
     def wrap_zero_grad(self) -> Callable[[], None]:
         """Route ``optimizer.zero_grad`` through ``zero_grad`` above; returns the undo."""
@@ -489,87 +330,6 @@ class StepEngine:
 
         return unwrap
 
-    # ---- in a store: unit by unit ---------------------------------------------------
-
-    def _load_replaced(self, i: int, unit: Unit, state: dict) -> bool:
-        """A state tensor of the unit replaced by a caller's own (``state[p][k] = t``): the
-        unit gets fresh storage, loaded from ``state``; returns whether it did.
-
-        As in torch, the replacing tensor is stepped from now on and the replaced
-        one, wherever it is held, keeps its values: it stays on the old storage,
-        and the tensors ``state`` holds adopt the new (``publish``'s ``adopt``).
-        Every step asks; the answer is one identity check per state tensor, and
-        only where an object changed is its memory looked at (a disk tier reads
-        the process's mappings for that).
-        """
-        published = self._published[i]
-        if published is not None and _same_objects(published, unit_step.held(unit, state)):
-            return False
-        if self._in_place is None:  # one per step, until a renewal
-            self._in_place = self.tier.in_place_test()
-        if unit_step.loaded_in_place(unit, state, functools.partial(self._in_place, i)):
-            return False
-        self.tier.renew(i)
-        self._in_place = None
-        unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
-        return True
-
-    def _step_units(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Step every unit, then leave the optimizer's own step nothing to do."""
-        if self._half_stepped is not None:
-            raise RuntimeError(
-                f"The optimizer state is half stepped: an earlier step failed at unit "
-                f"{self._half_stepped} of {len(self.units)} ({self._failure}), so some units "
-                "stepped and others did not; load a checkpoint (model and optimizer) before "
-                "stepping again"
-            )
-        # the units hold the state of the parameters planned at enable time, no others
-        if self._planned != [tuple(map(id, g["params"])) for g in optimizer.param_groups]:
-            raise ValueError(
-                f"{type(optimizer).__name__}'s parameters changed after "
-                "enable_local_shard_step(offload=...) planned where their state lives (a param "
-                "group added, or a group's parameter list edited): call remove() on its handle "
-                "and enable_local_shard_step again, or add the param groups before enabling it"
-            )
-        state, tier = optimizer.state, self.tier
-        disk = isinstance(tier, DiskStore)
-        i, begun, clean = 0, False, False
-        self._in_place = None
-        try:  # See [Note: Overlapping the disk with the step] in state_store.py
-            tier.prefetch(0)  # read during backward by the last step's end, or now
-            for i, unit in enumerate(self.units):
-                tier.prefetch(i + 1)  # read while this unit steps
-                renewed = self._load_replaced(i, unit, state)
-                views = tier.views(i)
-                begun = True
-                try:
-                    unit_step.step_unit(
-                        optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
-                    )
-                except Exception:
-                    # The optimizer raised in its group's first unit: torch checks a group
-                    # before it changes anything (Adam with amsgrad turned on mid-training
-                    # has no 'max_exp_avg_sq'), so whole groups stepped and the rest did not,
-                    # as the optimizer's own loop over its groups leaves them.
-                    clean = i == 0 or self.units[i - 1].group != unit.group
-                    raise
-                del views  # the mapping it stepped on goes (the store keeps a fresh one)
-                if disk:
-                    # What the unit's kernels allocated (and the state a first step created
-                    # before it moved to disk) is freed, but glibc keeps such blocks in its
-                    # heap, resident, and they pile up unit after unit: hand them back now.
-                    release_free_heap()
-                unit_step.keep(unit, tier.release(i), state, adopt=renewed)
-                self._published[i] = unit_step.held(unit, state)
-            tier.prefetch(0)  # the next step's first unit, read during forward and backward
-        except BaseException as e:
-            if begun and not clean:  # some units may have stepped: no later step builds on it
-                self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
-            raise
-        self._held = [g["params"] for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["params"] = []
-
 
 @torch.compiler.disable
 def _refuse_compiled_step(optimizer: torch.optim.Optimizer, kept_where: str) -> None:
@@ -607,42 +367,3 @@ def _keep_key_order(optimizer: torch.optim.Optimizer, before: list) -> None:
     values = [(k, state.pop(k)) for k in order]
     for k, v in values:
         state[k] = v
-
-
-def _same_objects(a: list, b: list) -> bool:
-    """The same objects, in order, compared by identity (looped in C)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-class _Entries:
-    """A dict's keys and values as objects, compared by identity (never by hashing a key)."""
-
-    def __init__(self, d: dict) -> None:
-        self.owner = d
-        self.keys = list(d)
-        self.values = list(d.values())
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Entries)
-            and self.owner is other.owner
-            and len(self.keys) == len(other.keys)
-            and all(map(operator.is_, self.keys, other.keys))
-            and all(map(operator.is_, self.values, other.values))
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _all_local_steppable(params: list) -> bool:
-    for p in params:
-        if not isinstance(p, DTensor):
-            return False
-        grad = p.grad
-        if grad is not None and (
-            not isinstance(grad, DTensor)
-            or grad.placements != p.placements
-            or grad.device_mesh != p.device_mesh
-        ):
-            return False
-    return True

@@ -1,0 +1,159 @@
+"""The store strategy of the step engine: units stepped one by one on a host or disk tier.
+
+``StoreStep`` owns what the unit-by-unit step needs between steps: the
+units (cut once, from the same flat runs the in-memory step uses:
+``plan_units`` in step_plan.py), the tier that holds their state
+(state_store.py), which state tensors each unit last published, and whether
+a failed step left the state half stepped. ``step`` runs the units (see
+[Note: Stepping in units] in unit_step.py), ``load`` copies a loaded state
+into the tier, ``close`` brings it back into ordinary memory. The engine
+(step_engine.py) tells it the optimizer at each call; it reaches back to
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+
+from . import unit_step
+from .state_store import DiskStore, StateTier, release_free_heap
+from .state_views import publish, unwrap
+from .step_plan import Unit
+
+
+class StoreStep:
+    """The units of ``optimizer``'s param groups, stepped on ``tier``'s state views.
+
+    ``copies``: the host tier steps host copies of parameters that live on
+    an accelerator (``unit_step.params_on_accelerator``).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, units: list[Unit], tier: StateTier, copies: bool
+    ) -> None:
+        self.units = units
+        self.tier = tier
+        self.copies = copies
+        # the units hold the state of the parameters planned here, no others
+        self._planned = _param_ids(optimizer)
+        self._half_stepped: int | None = None  # the unit a failed step stopped at
+        self._failure = ""
+        # each unit's state tensors as last published (``unit_step.held``), by identity
+        self._published: list[list | None] = [None] * len(units)
+        self._in_place: Any = None  # the tier's in-place test during a step, made on demand
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step every unit (the optimizer's own step then gets empty groups)."""
+        if self._half_stepped is not None:
+            raise RuntimeError(
+                f"The optimizer state is half stepped: an earlier step failed at unit "
+                f"{self._half_stepped} of {len(self.units)} ({self._failure}), so some units "
+                "stepped and others did not; load a checkpoint (model and optimizer) before "
+                "stepping again"
+            )
+        if self._planned != _param_ids(optimizer):
+            raise ValueError(
+                f"{type(optimizer).__name__}'s parameters changed after "
+                "enable_local_shard_step(offload=...) planned where their state lives (a param "
+                "group added, or a group's parameter list edited): call remove() on its handle "
+                "and enable_local_shard_step again, or add the param groups before enabling it"
+            )
+        state, tier = optimizer.state, self.tier
+        disk = isinstance(tier, DiskStore)
+        i, begun, clean = 0, False, False
+        self._in_place = None
+        try:  # See [Note: Overlapping the disk with the step] in state_store.py
+            tier.prefetch(0)  # read during backward by the last step's end, or now
+            for i, unit in enumerate(self.units):
+                tier.prefetch(i + 1)  # read while this unit steps
+                renewed = self._load_replaced(i, unit, state)
+                views = tier.views(i)
+                begun = True
+                try:
+                    unit_step.step_unit(
+                        optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
+                    )
+                except Exception:
+                    # The optimizer raised in its group's first unit: torch checks a group
+                    # before it changes anything (Adam with amsgrad turned on mid-training
+                    # has no 'max_exp_avg_sq'), so whole groups stepped and the rest did not,
+                    # as the optimizer's own loop over its groups leaves them.
+                    clean = i == 0 or self.units[i - 1].group != unit.group
+                    raise
+                del views  # the mapping it stepped on goes (the store keeps a fresh one)
+                if disk:
+                    # What the unit's kernels allocated (and the state a first step created
+                    # before it moved to disk) is freed, but glibc keeps such blocks in its
+                    # heap, resident, and they pile up unit after unit: hand them back now.
+                    release_free_heap()
+                unit_step.keep(unit, tier.release(i), state, adopt=renewed)
+                self._published[i] = unit_step.held(unit, state)
+            tier.prefetch(0)  # the next step's first unit, read during forward and backward
+        except BaseException as e:
+            if begun and not clean:  # some units may have stepped: no later step builds on it
+                self._half_stepped, self._failure = i, f"{type(e).__name__}: {e}"
+            raise
+
+    def load(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``load_state_dict``: the loaded state copied into the tier, unit by unit."""
+        state, tier = optimizer.state, self.tier
+        in_place = tier.in_place_test()
+        for i, unit in enumerate(self.units):
+            test = functools.partial(in_place, i)
+            if not unit_step.loaded_in_place(unit, state, test):
+                tier.renew(i)  # a state dict taken before the load keeps what it showed
+                test = None
+            unit_step.load_unit(unit, tier.views(i), state, self.copies, test)
+            unit_step.keep(unit, tier.release(i), state)
+            self._published[i] = unit_step.held(unit, state)
+        tier.wait()
+        self._half_stepped = None  # every unit holds the loaded state now
+
+    def close(self, optimizer: torch.optim.Optimizer) -> None:
+        """State in files comes back into ordinary memory; the tier is released."""
+        if isinstance(self.tier, DiskStore):
+            state = optimizer.state
+            for unit in self.units:
+                for i, p in enumerate(unit.params):
+                    if p in state:
+                        publish(state, p, {
+                            k: v.clone() if k in unit.keys[i] else v
+                            for k, v in unwrap(state[p]).items()
+                        })
+        self.tier.close()
+
+    def _load_replaced(self, i: int, unit: Unit, state: dict) -> bool:
+        """A state tensor of the unit replaced by a caller's own (``state[p][k] = t``): the
+        unit gets fresh storage, loaded from ``state``; returns whether it did.
+
+        As in torch, the replacing tensor is stepped from now on and the replaced
+        one, wherever it is held, keeps its values: it stays on the old storage,
+        and the tensors ``state`` holds adopt the new (``publish``'s ``adopt``).
+        Every step asks; the answer is one identity check per state tensor, and
+        only where an object changed is its memory looked at (a disk tier reads
+        the process's mappings for that).
+        """
+        published = self._published[i]
+        if published is not None and _same_objects(published, unit_step.held(unit, state)):
+            return False
+        if self._in_place is None:  # one per step, until a renewal
+            self._in_place = self.tier.in_place_test()
+        if unit_step.loaded_in_place(unit, state, functools.partial(self._in_place, i)):
+            return False
+        self.tier.renew(i)
+        self._in_place = None
+        unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
+        return True
+
+
+def _param_ids(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    return [tuple(map(id, g["params"])) for g in optimizer.param_groups]
+
+
+def _same_objects(a: list, b: list) -> bool:
+    """The same objects, in order, compared by identity (looped in C)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
