@@ -169,6 +169,57 @@ def test_storage_modules_import_one_way() -> None:
     ]
 
 
+# The optimizer step's modules, top to bottom (issue 60's "house of the step"): the entry
+# points (the explicit one above the default), the engine (plans, hands the cuts to a strategy), the two strategies, what a
+# strategy steps (replica slices, units), the cut itself, the flat runs, then where state
+# lives and how it is published. A module imports only modules below it.
+STEP_ORDER: list[tuple[str, ...]] = [
+    ("local_shard_step",),  # enable_local_shard_step replaces the default step
+    ("default_step",),
+    ("step_engine",),
+    ("memory_step", "store_step"),
+    ("replica_sharded_step", "unit_step"),
+    ("step_plan",),
+    ("flat_run",),
+    ("state_views", "state_store"),
+]
+
+
+def step_order_violations(sources: dict[Path, str]) -> list[str]:
+    """Imports among the step's modules that do not point down ``STEP_ORDER``."""
+    rank = {f"fsdp2.optim.{m}": i for i, level in enumerate(STEP_ORDER) for m in level}
+    problems = []
+    for path, source in sorted(sources.items()):
+        module = _module_name(path)
+        if module not in rank:
+            continue
+        for line, target in _imported(ast.parse(source), module, False):
+            while target and target not in rank and target.count(".") > 2:
+                target = target.rpartition(".")[0]  # `from .m import name` -> m
+            if target in rank and rank[target] <= rank[module]:
+                problems.append(f"{path.name}:{line} imports {target}")
+    return problems
+
+
+def test_the_step_imports_one_way() -> None:
+    """engine -> strategy -> slices/units -> plan -> runs -> storage and publishing, never back;
+    a planted import of the engine from a strategy is caught."""
+    sources = _package_sources()
+    optim = {_module_name(p) for p in sources if _unit(_module_name(p)) == "optim"}
+    for level in STEP_ORDER:
+        for m in level:
+            assert f"fsdp2.optim.{m}" in optim, f"STEP_ORDER names {m}, which is gone"
+    assert step_order_violations(sources) == []
+    planted = dict(sources)
+    store = PACKAGE / "optim" / "store_step.py"
+    planted[store] = sources[store] + "\n\ndef _late():\n    from .step_engine import StepEngine\n"
+    plan = PACKAGE / "optim" / "step_plan.py"
+    planted[plan] = sources[plan] + "\nif TYPE_CHECKING:\n    from .unit_step import keep\n"
+    problems = step_order_violations(planted)
+    assert len(problems) == 2 and "imports fsdp2.optim.unit_step" in problems[0], problems
+    assert "store_step.py" in problems[1] and "fsdp2.optim.step_engine" in problems[1], problems
+
+
 def test_layers_match_design_doc() -> None:
     design = (PACKAGE.parent / "docs" / "design.md").read_text()
     for layer in LAYERS:
