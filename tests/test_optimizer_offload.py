@@ -229,6 +229,10 @@ def _replaced_and_flags_body(rank, world_size, tmp):
         (ref, ref_opt, _), (model, opt, handle) = pair(tier, copies)
         for m, o in ((model, opt), (ref, ref_opt)):
             _train_accumulating(m, o, rank, world_size, 2)
+        held = [o.state_dict()["state"] for o in (opt, ref_opt)]  # a state dict a caller holds
+        for o in (opt, ref_opt):
+            o.load_state_dict(o.state_dict())  # its own tensors: they stay the state (torchft's)
+        replaced_at = len(opt.param_groups[0]["params"])  # the index of the replaced one's param
         replaced, shown = [], None
         for o in (opt, ref_opt):
             entry = o.state[o.param_groups[1]["params"][0]]
@@ -243,6 +247,12 @@ def _replaced_and_flags_body(rank, world_size, tmp):
             assert torch.equal(old.to_local(), shown), f"{tier}: the replaced tensor followed the step"
             assert not torch.equal(entry["exp_avg"].to_local(), shown), "the replacing one did not"
             assert o.state[o.param_groups[1]["params"][0]]["exp_avg"] is entry["exp_avg"]
+        for before, o in zip(held, (opt, ref_opt)):  # the others held are the state, stepped
+            now = o.state_dict()["state"]
+            kept = [(i, k) for i, s in before.items() for k, v in s.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and (i, k) != (replaced_at, "exp_avg")]
+            assert kept and all(before[i][k] is now[i][k] for i, k in kept), (
+                f"{tier}: a state tensor held since the load is no longer the state")
         # amsgrad on mid-training: torch's KeyError on both, and both step on once it is off
         for m, o in ((model, opt), (ref, ref_opt)):
             o.param_groups[1]["amsgrad"] = True

@@ -40,16 +40,15 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t) if isinstance(t, DTensor) else t
 
 
-def publish(state: dict, param: torch.Tensor, values: dict, *, adopt: bool = True) -> dict:
+def publish(state: dict, param: torch.Tensor, values: dict) -> dict:
     """Put ``values`` in ``state[param]``, keeping the dict and the tensors already there.
 
     ``values`` hold plain (local) tensors; a value shaped like the parameter's
     local tensor becomes a DTensor with the parameter's mesh and placements
     over the same memory (no copy). A tensor the dict already holds for a key
     adopts the new value's memory instead of being replaced (see [Note: The
-    state a caller holds is the state]); ``adopt=False`` replaces it (a store
-    tier's fresh mapping of the same file: the held mapping sees the same
-    bytes). Returns the dict in ``state``.
+    state a caller holds is the state]), a store tier's fresh mapping of its
+    file included. Returns the dict in ``state``.
     """
     held = state.get(param)
     if held is values:
@@ -72,7 +71,7 @@ def publish(state: dict, param: torch.Tensor, values: dict, *, adopt: bool = Tru
         return wrapped
     for key, value in wrapped.items():
         old = held.get(key)
-        if old is value or (adopt and old is not None and _adopt(old, value)):
+        if old is value or (old is not None and _adopt(old, value)):
             continue
         held[key] = value
     for key in [k for k in held if k not in wrapped]:

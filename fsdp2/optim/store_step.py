@@ -70,12 +70,12 @@ class StoreStep:
             tier.prefetch(0)  # read during backward by the last step's end, or now
             for i, unit in enumerate(self.units):
                 tier.prefetch(i + 1)  # read while this unit steps
-                renewed = self._load_replaced(i, unit, state)
+                self._load_replaced(i, unit, state)
                 views = tier.views(i)
                 begun = True
                 try:
                     unit_step.step_unit(
-                        optimizer, unit, views, state, self.copies, tier.live.hold, adopt=renewed
+                        optimizer, unit, views, state, self.copies, tier.live.hold
                     )
                 except Exception:
                     # The optimizer raised in its group's first unit: torch checks a group
@@ -90,7 +90,7 @@ class StoreStep:
                     # before it moved to disk) is freed, but glibc keeps such blocks in its
                     # heap, resident, and they pile up unit after unit: hand them back now.
                     release_free_heap()
-                unit_step.keep(unit, tier.release(i), state, adopt=renewed)
+                unit_step.keep(unit, tier.release(i), state)
                 self._published[i] = unit_step.held(unit, state)
             tier.prefetch(0)  # the next step's first unit, read during forward and backward
         except BaseException as e:
@@ -126,28 +126,27 @@ class StoreStep:
                         })
         self.tier.close()
 
-    def _load_replaced(self, i: int, unit: Unit, state: dict) -> bool:
+    def _load_replaced(self, i: int, unit: Unit, state: dict) -> None:
         """A state tensor of the unit replaced by a caller's own (``state[p][k] = t``): the
-        unit gets fresh storage, loaded from ``state``; returns whether it did.
+        unit gets fresh storage, loaded from ``state``.
 
         As in torch, the replacing tensor is stepped from now on and the replaced
         one, wherever it is held, keeps its values: it stays on the old storage,
-        and the tensors ``state`` holds adopt the new (``publish``'s ``adopt``).
+        and the tensors ``state`` holds adopt the new (``publish``).
         Every step asks; the answer is one identity check per state tensor, and
         only where an object changed is its memory looked at (a disk tier reads
         the process's mappings for that).
         """
         published = self._published[i]
         if published is not None and _same_objects(published, unit_step.held(unit, state)):
-            return False
+            return
         if self._in_place is None:  # one per step, until a renewal
             self._in_place = self.tier.in_place_test()
         if unit_step.loaded_in_place(unit, state, functools.partial(self._in_place, i)):
-            return False
+            return
         self.tier.renew(i)
         self._in_place = None
         unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
-        return True
 
 
 def _param_ids(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..runtime.storage.shard_storage import own_storage
+from ..runtime.storage.shard_storage import can_own_storage, own_storage
 from .state_views import local_of, publish
 from .step_plan import PARAM_COPY, Unit, ctor_args
 
@@ -56,15 +56,14 @@ def step_unit(
     state: dict,
     copies: bool,
     hold: Callable[[torch.Tensor], None] | None = None,
-    adopt: bool = False,
 ) -> bool:
     """One unit's step on its tier's ``views``; what the step creates moves into the tier.
 
     ``copies``: the unit steps on the host copies in ``views`` and copies the
     parameters back. ``hold``: told of every state tensor the step created
     (a first step's), which lives only until it is copied into ``views``.
-    ``adopt``: the unit has new storage, which the tensors ``state`` holds
-    adopt (else they are replaced by fresh views of the same storage).
+    The tensors ``state`` holds adopt the views' memory (``publish``): they
+    stay the objects a caller holds, as the tensors a plain step updates.
     Returns whether the step created state (freed now, in the C heap).
     """
     created = False
@@ -102,7 +101,7 @@ def step_unit(
                 views[(i, k)].copy_(new[k])
         if new:  # (a stateless step, SGD without momentum, makes no entry: as torch's)
             values = {k: (_own(views[(i, k)]) if k in unit.keys[i] else v) for k, v in new.items()}
-            publish(state, p, values, adopt=adopt)
+            publish(state, p, values)
         work.grad = None
         if copies:
             local.copy_(work, non_blocking=True)
@@ -113,14 +112,14 @@ def step_unit(
     return created
 
 
-def keep(unit: Unit, views: dict, state: dict, adopt: bool = False) -> None:
-    """``optimizer.state`` of the unit's parameters: views of the tier (DTensors where sharded);
-    ``adopt`` as ``step_unit``'s."""
+def keep(unit: Unit, views: dict, state: dict) -> None:
+    """``optimizer.state`` of the unit's parameters: views of the tier (DTensors where sharded),
+    the tensors it holds adopting them, as in ``step_unit``."""
     for i, p in enumerate(unit.params):
         if p in state:
             publish(state, p, {
                 k: _own(views[(i, k)]) if k in unit.keys[i] else v for k, v in state[p].items()
-            }, adopt=adopt)
+            })
 
 
 def held(unit: Unit, state: dict) -> list:
@@ -135,9 +134,16 @@ def _own(view: torch.Tensor) -> torch.Tensor:
 
     ``torch.save`` of a DTensor whose local tensor starts inside a larger
     storage (a unit's region) fails ("invalid python storage"), and would
-    write the whole region for each tensor anyway.
+    write the whole region for each tensor anyway. Not a view of another
+    tensor either: a held state tensor that later adopts other memory
+    (``Tensor.set_``) must let go of this one, and a view's base would keep
+    it, and a mapping of the unit's file with it, alive.
     """
-    return own_storage(view.reshape(-1)).view(view.shape)
+    flat = view.reshape(-1)
+    if not can_own_storage(flat):
+        return view
+    memory = own_storage(flat).untyped_storage()
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(memory, 0, view.shape)
 
 
 def loaded_in_place(unit: Unit, state: dict, in_place: Callable[[int, str, torch.Tensor], bool]) -> bool:
