@@ -269,6 +269,13 @@ def _replaced_and_flags_body(rank, world_size, tmp):
             _train_accumulating(m, o, rank, world_size, 2)
         _assert_same(model, opt, ref, ref_opt, f"{tier}: amsgrad off before the first step")
         handle.remove()
+        # planned without amsgrad, turned on before the first step: its state outside the plan
+        (ref, ref_opt, _), (model, opt, handle) = pair(tier, copies)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.param_groups[0]["amsgrad"] = True
+            _train_accumulating(m, o, rank, world_size, 2)
+        _assert_same(model, opt, ref, ref_opt, f"{tier}: amsgrad on before the first step")
+        handle.remove()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

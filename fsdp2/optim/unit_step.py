@@ -76,8 +76,10 @@ def step_unit(
         work = views[(i, PARAM_COPY)] if copies else local
         work.grad = local_of(p.grad).to("cpu") if copies else local_of(p.grad)
         if p in state:
+            # a key planned after the fact (amsgrad turned on after enable_local_shard_step:
+            # its state was made by a step, in memory) is stepped where it is, as a local tensor
             sub_state[work] = {
-                k: views[(i, k)] if k in unit.keys[i] else v for k, v in state[p].items()
+                k: views[(i, k)] if k in unit.keys[i] else local_of(v) for k, v in state[p].items()
             }
         params.append((i, p, local, work))
     if not params:
