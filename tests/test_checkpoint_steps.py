@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2 import CheckpointError, load_checkpoint, load_latest, save_checkpoint
+from fsdp2.checkpoint.integrity import MANIFEST
 from fsdp2.checkpoint.step_dirs import CLAIM
 
 
@@ -369,3 +370,59 @@ def test_forked_ranks_save_after_the_parent_did(tmp_path):
     save_checkpoint(tmp_path / "parent", model, optim, step=1, async_save=True).result()
     root = str(tmp_path / "ranks")
     assert run_ranks(_async_save_body, 2, root, timeout=60) == [os.path.join(root, "step-1")] * 2
+
+
+_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list",
+                       "scatter_object_list", "all_gather", "all_reduce", "barrier")
+
+
+def _counting(calls: list):
+    """Patch the process-group calls DCP and fsdp2 make; each call appends its name."""
+    patches = []
+    for name in _OBJECT_COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        patches.append((name, original))
+        setattr(dist, name, counted)
+    return patches
+
+
+def _save_collectives_body(rank, world_size, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = sharded_transformer(cpu_mesh())
+    train_span(model, optim, 0, 1, rank, world_size)
+    counts = {}
+    for kind in ("dcp", "fsdp2", "fsdp2"):  # the second fsdp2 save also prunes the first
+        calls: list = []
+        patches = _counting(calls)
+        try:
+            if kind == "dcp":
+                model_sd, optim_sd = get_state_dict(model, optim)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/plain")
+            else:
+                save_checkpoint(root, model, optim, step=len(counts), keep=1)
+        finally:
+            for name, original in patches:
+                setattr(dist, name, original)
+        counts[kind if kind not in counts else "fsdp2 again"] = calls
+    return counts
+
+
+def test_a_save_adds_one_collective_to_dcp_and_commits_inside_its_last(tmp_path):
+    """The manifest and the commit run on the coordinator inside DCP's last step (see [Note:
+    Committing inside DCP's last step]): a save's collectives are DCP's and, before the write,
+    the one that checks every rank's arguments; none follows the write."""
+    root = str(tmp_path)
+    for counts in run_ranks(_save_collectives_body, 2, root):
+        plain = counts["dcp"]
+        for ours in (counts["fsdp2"], counts["fsdp2 again"]):
+            assert len(ours) == len(plain) + 1, (ours, plain)
+            assert ours[1:] == plain, (ours, plain)  # the argument check comes first
+    assert _names(root) == ["plain", "step-2"]  # step 1 pruned (keep=1)
+    assert (tmp_path / "step-2" / MANIFEST).is_file()

@@ -308,7 +308,7 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
     import torch.distributed.checkpoint as dcp
 
     from .streaming import StreamingSavePlanner
-    from .summing import SummingWriter
+    from .summing import RankSums, SummingWriter
 
     partial = partial_dir(final)
 
@@ -317,27 +317,28 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
         agree("save_checkpoint: cleaning up", lambda: discard(final), group=group,
               error_type=CheckpointError)
 
-    writer = SummingWriter(partial) if checksums else None  # sums as it writes
+    def commit_summed(sums: RankSums) -> None:
+        """The coordinator, inside DCP's last step: the manifest, then the commit (see
+        [Note: Committing inside DCP's last step] in summing.py)."""
+        algorithm = writer.algorithm
+        entries: dict[str, list[int]] = {}
+        for rank_algorithm, rank_sums in sums:
+            if rank_algorithm == algorithm:  # a rank summing otherwise: re-summed below
+                entries.update(rank_sums)
+        for name in sorted(os.listdir(partial)):  # a file no writer summed as it wrote it
+            if name not in entries and name != integrity.MANIFEST:
+                entries[name] = list(integrity.checksum(partial / name, algorithm))
+        integrity.write_manifest(partial, entries, algorithm)
+        commit(final, keep)
+
+    writer = SummingWriter(partial, on_finish=commit_summed) if checksums else None
     _dcp_call(f"save_checkpoint: writing {final}", final,
               lambda: dcp.save(state, checkpoint_id=partial, storage_writer=writer,
                                process_group=group, planner=StreamingSavePlanner()),
               cleanup, _WRITE_HINT)
-    entries: dict[str, list[int]] = {}
-    if writer is not None:
-        for algorithm, sums in _gather((writer.algorithm, writer.sums()), group):
-            if algorithm == writer.algorithm:  # a rank summing otherwise: re-summed below
-                entries.update(sums)
-
-    def finish() -> None:
-        if checksums:
-            for name in sorted(os.listdir(partial)):  # a file no writer summed as it wrote it
-                if name not in entries and name != integrity.MANIFEST:
-                    entries[name] = list(integrity.checksum(partial / name, writer.algorithm))
-            integrity.write_manifest(partial, entries, writer.algorithm)
-        commit(final, keep)
-
-    agree(f"save_checkpoint: cannot commit {final}", finish, group=group,
-          error_type=CheckpointError, hint=_WRITE_HINT)
+    if writer is None:  # DCP's own writer: the commit follows, agreed on by every rank
+        agree(f"save_checkpoint: cannot commit {final}", lambda: commit(final, keep),
+              group=group, error_type=CheckpointError, hint=_WRITE_HINT)
     return str(final)
 
 

@@ -11,18 +11,33 @@ offsets, no ``seek``); a stream that seeks after all, or a file this writer
 did not write, is summed from disk as before (``integrity.checksum``), so a
 sum is never wrong, only sometimes not free. ``.metadata`` is written to a
 temporary name and renamed: the sum follows the rename.
+
+[Note: Committing inside DCP's last step]
+A save's stall ends when DCP's last collective does: every rank's write
+results reach the coordinator, which writes ``.metadata`` (``finish``), and
+the outcome goes back to every rank. The manifest needs every rank's sums
+and the commit (the rename) needs every rank's files written, which is
+exactly what the coordinator knows at that point. So each rank's sums ride
+with its write results (one extra ``WriteResult`` under a name no state dict
+has, taken out again before DCP builds the metadata from them), and
+``on_finish`` runs on the coordinator right after ``.metadata`` is written:
+the manifest and the commit, inside DCP's own collective. An error there
+reaches every rank as DCP's ``CheckpointException``, as a failed write does;
+no collective of fsdp2's own follows the write.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 
 from .._torch_compat import set_writer_file_system
 from . import crc
@@ -92,16 +107,48 @@ class _SummingFileSystem(FileSystem):
             self.sums.pop(Path(path).name, None)
 
 
-class SummingWriter(FileSystemWriter):
-    """``FileSystemWriter`` whose ``sums()`` are the size and checksum of each file it wrote."""
+# The write result that carries a rank's sums to the coordinator (no state dict key is this).
+_SUMS = "__fsdp2_file_sums__"
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+# What the coordinator's ``on_finish`` gets: each rank's ``(algorithm, {file: [size, sum]})``.
+RankSums = list[tuple[str, dict[str, list[int]]]]
+
+
+class SummingWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose ``sums()`` are the size and checksum of each file it wrote.
+
+    ``on_finish(sums)``: run on the coordinator once ``.metadata`` is written,
+    with every rank's sums, its own ``.metadata`` included (see [Note:
+    Committing inside DCP's last step]).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        on_finish: Callable[[RankSums], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, **kwargs)
         self.algorithm = crc.DEFAULT
         self._summing = _SummingFileSystem(self.algorithm)
+        self._on_finish = on_finish
         set_writer_file_system(self, self._summing)
 
     def sums(self) -> dict[str, list[int]]:
         """``{file name: [size, checksum]}``, as the checksum manifest keeps them."""
         with self._summing._lock:
             return {name: [size, crc] for name, (size, crc) in self._summing.sums.items()}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        def with_sums(written: Any) -> list[WriteResult]:
+            carrier = WriteResult(index=MetadataIndex(_SUMS), size_in_bytes=0,
+                                  storage_data=(self.algorithm, self.sums()))
+            return [*written.value(), carrier]
+
+        return super().write_data(plan, planner).then(with_sums)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        carried = [r.storage_data for rank in results for r in rank if r.index.fqn == _SUMS]
+        super().finish(metadata, [[r for r in rank if r.index.fqn != _SUMS] for rank in results])
+        if self._on_finish is not None:
+            self._on_finish([*carried, (self.algorithm, self.sums())])
