@@ -115,7 +115,7 @@ def _demo_optim_steps(cfg: dict, reps: int) -> dict:
         "offload-flat-fused": ("fsdp2-flat", {"fused": True}, fsdp2.CPUOffloadPolicy()),
         "offload-flat-foreach": ("fsdp2-flat", {"foreach": True}, fsdp2.CPUOffloadPolicy()),
     }
-    optims = {}
+    optims, models = {}, []  # the models stay alive: a flat step steps their groups' buffers
     for name, (impl, kwargs, offload) in variants.items():
         model = build_model(0, cfg["shape"])
         extra = {"offload_policy": offload} if offload is not None else {}
@@ -127,6 +127,9 @@ def _demo_optim_steps(cfg: dict, reps: int) -> dict:
         model_loss(model, tokens, targets).backward()
         optim.step()  # state exists from here on; gradients stay in place
         optims[name] = optim
+        models.append(model)
+    if fsdp2.optim.flat_step_engine(optims["flat"]) is None:  # else the row times another step
+        raise RuntimeError("the demo model's 'flat' variant does not step on flat buffers")
     samples: dict[str, list[float]] = {n: [] for n in variants}
     for i in range(reps):
         for name in rotated(list(variants), i):
