@@ -337,10 +337,19 @@ class Sequence:
                        optim_state_dict=copy.deepcopy(optim_sd))
 
     def dcp_checkpoint(self, side: Side, arg: float) -> None:
-        """Save model and optimizer with DCP, train on, load back: the saved state again."""
+        """Save model and optimizer with DCP, load back: the saved state again. Half the
+        time fsdp2's side goes through ``fsdp2.save_checkpoint`` / ``load_checkpoint`` (the
+        manifest, the commit inside DCP's last step, the verified load) against upstream's
+        plain DCP calls."""
         with tempfile.TemporaryDirectory() as folder:
             names = [folder]
             dist.broadcast_object_list(names, src=0)
+            if arg >= 0.5 and side is self.sides[0]:
+                path = f"{names[0]}/checkpoint"
+                fsdp2.save_checkpoint(path, side.model, side.opt)
+                fsdp2.load_checkpoint(path, side.model, side.opt)
+                dist.barrier()
+                return
             state = {"model": side.model.state_dict(),
                      "optim": get_optimizer_state_dict(side.model, side.opt)}
             dcp.save(state, checkpoint_id=names[0])
