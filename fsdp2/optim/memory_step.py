@@ -16,7 +16,6 @@ It is told what it needs: the groups' cuts (``GroupPlan``, from the engine's
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from .._torch_compat import fast_grad_access, local_tensor
 from .flat_run import FlatRun, flat_grads
 from .replica_sharded_step import ReplicaShardedStep, SlicedRun
-from .state_views import publish, unwrap
+from .state_views import publish, same_objects, unwrap
 from .step_plan import GroupPlan, cpu_loop_choice
 
 
@@ -219,9 +218,8 @@ class _Entries:
         return (
             isinstance(other, _Entries)
             and self.owner is other.owner
-            and len(self.keys) == len(other.keys)
-            and all(map(operator.is_, self.keys, other.keys))
-            and all(map(operator.is_, self.values, other.values))
+            and same_objects(self.keys, other.keys)
+            and same_objects(self.values, other.values)
         )
 
     __hash__ = None  # type: ignore[assignment]

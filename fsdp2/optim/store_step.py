@@ -14,14 +14,13 @@ nothing.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any
 
 import torch
 
 from . import unit_step
 from .state_store import DiskStore, StateTier, release_free_heap
-from .state_views import publish, unwrap
+from .state_views import publish, same_objects, unwrap
 from .step_plan import Unit
 
 
@@ -138,7 +137,7 @@ class StoreStep:
         the process's mappings for that).
         """
         published = self._published[i]
-        if published is not None and _same_objects(published, unit_step.held(unit, state)):
+        if published is not None and same_objects(published, unit_step.held(unit, state)):
             return
         if self._in_place is None:  # one per step, until a renewal
             self._in_place = self.tier.in_place_test()
@@ -151,8 +150,3 @@ class StoreStep:
 
 def _param_ids(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
     return [tuple(map(id, g["params"])) for g in optimizer.param_groups]
-
-
-def _same_objects(a: list, b: list) -> bool:
-    """The same objects, in order, compared by identity (looped in C)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
