@@ -12,6 +12,10 @@ did not write, is summed from disk as before (``integrity.checksum``), so a
 sum is never wrong, only sometimes not free. ``.metadata`` is written to a
 temporary name and renamed: the sum follows the rename.
 
+The same streams start each file's write to the disk every few megabytes,
+so DCP's closing ``fsync`` waits for the tail only (see [Note: Early
+write-back] in writeback.py).
+
 [Note: Committing inside DCP's last step]
 A save's stall ends when DCP's last collective does: every rank's write
 results reach the coordinator, which writes ``.metadata`` (``finish``), and
@@ -41,16 +45,22 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .._torch_compat import set_writer_file_system
 from . import crc
+from .writeback import Writeback
 
 __all__ = ["SummingWriter"]
 
 
 class _SummingStream:
-    """A writable stream that sums what passes through it; anything else goes to ``raw``."""
+    """A writable stream that sums what passes through it; anything else goes to ``raw``.
+
+    Every few megabytes it also starts the disk write of what it wrote (see
+    [Note: Early write-back] in writeback.py).
+    """
 
     def __init__(self, raw: Any, extend: Any) -> None:
         self._raw = raw
         self._extend = extend
+        self._writeback = Writeback(raw)
         self.crc = self.size = 0
         self.in_order = True
 
@@ -61,6 +71,8 @@ class _SummingStream:
             view = view[:written]
         self.crc = self._extend(view, self.crc)
         self.size += len(view)
+        if self.in_order:
+            self._writeback.written(self.size)
         return written
 
     def seek(self, *args: Any) -> int:

@@ -1,0 +1,85 @@
+"""Starting the disk write of a checkpoint file's bytes while the rest is still being written.
+
+[Note: Early write-back]
+DCP's file writer syncs each file once, after its last byte (``fsync``): a
+save's stall is the serialization, then the whole file's trip to the disk,
+one after the other. On this project's machines the sync is 40-45% of a
+``dcp.save`` (W = 2, 45 MB a rank: 580 ms with it, 320 ms without). Linux can
+start writing a range of a file's dirty pages to the disk without waiting
+for it (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so every
+:data:`CHUNK` bytes a stream writes, it asks for that chunk to go out, and
+the disk works while the next tensors are serialized; the ``fsync`` at the
+end then waits only for the tail. What reaches the disk, and when the save
+counts as durable, is unchanged: the call only moves the disk's work
+earlier, and the final ``fsync`` still stands behind every byte (an I/O
+error shows there, as before). The pages stay in the page cache, so a load
+right after a save still reads from memory. Where the call does not exist
+(not Linux) nothing is started and the save is DCP's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Any
+
+__all__ = ["CHUNK", "Writeback", "supported"]
+
+CHUNK = 8 << 20  # bytes between requests (2 MiB and 8 MiB measured the same; fewer calls)
+_SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages not already under write-out
+
+
+def _load() -> Any:
+    """libc's ``sync_file_range``, or ``None`` where there is none."""
+    if not hasattr(os, "fsync") or os.uname().sysname != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _load()
+
+
+def supported() -> bool:
+    """Whether this platform can start a file's write-back early."""
+    return _SYNC_FILE_RANGE is not None
+
+
+def _start(fd: int, offset: int, nbytes: int) -> None:
+    # Failures are left to the writer's final fsync, which reports them as before.
+    _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+class Writeback:
+    """Starts the write-back of a stream's bytes every :data:`CHUNK` bytes written to it.
+
+    ``stream``: a file opened for writing from its start, written front to
+    back; ``written(total)`` is told the bytes written so far after each write.
+    """
+
+    def __init__(self, stream: Any, start: Any = None) -> None:
+        self._stream = stream
+        self._start = start or (_start if supported() else None)
+        self._fd = self._fileno(stream) if self._start is not None else None
+        self._done = 0  # bytes already handed to the disk
+
+    @staticmethod
+    def _fileno(stream: Any) -> int | None:
+        try:
+            return stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a real file: nothing to start
+            return None
+
+    def written(self, total: int) -> None:
+        if self._fd is None or total - self._done < CHUNK:
+            return
+        self._stream.flush()  # Python's buffer into the kernel's pages first
+        self._start(self._fd, self._done, total - self._done)
+        self._done = total
