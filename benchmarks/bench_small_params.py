@@ -10,6 +10,9 @@ fsdp2 as installed (``fsdp2``: the flat step by default, no fsdp2 call but
 ``use_orig_params=False``) and DDP. Phases: forward + backward, the step,
 step + ``zero_grad`` (as every training loop runs them), the whole step.
 Each phase is timed on every rank; a step's time is the slowest rank's.
+Every step starts from a full garbage collection: a generation-2 collection
+(tens of ms with this many modules) otherwise lands on whichever
+implementation's step happens to cross the threshold.
 
 Then the demo model's optimizer step alone (gradients left in place):
 DTensor step, per-parameter local step (``flat_buffers=False``) and flat
@@ -19,6 +22,7 @@ step (as installed), with the default AdamW and, under ``CPUOffloadPolicy``, wit
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -88,6 +92,7 @@ def _small_steps(warmup: int, reps: int) -> dict:
     for i in range(warmup + reps):
         for impl in rotated(list(SMALL_IMPLS), i):
             model, optim = models[impl], optims[impl]
+            gc.collect()  # each step starts from the same heap (see the module's docstring)
             dist.barrier()
             t0 = time.perf_counter()
             model(inputs[i % len(inputs)]).pow(2).mean().backward()
