@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+import sys
 from typing import Any
 
 __all__ = ["CHUNK", "Writeback", "supported"]
@@ -32,7 +32,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages not already under w
 
 def _load() -> Any:
     """libc's ``sync_file_range``, or ``None`` where there is none."""
-    if not hasattr(os, "fsync") or os.uname().sysname != "Linux":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -52,9 +52,10 @@ def supported() -> bool:
     return _SYNC_FILE_RANGE is not None
 
 
-def _start(fd: int, offset: int, nbytes: int) -> None:
-    # Failures are left to the writer's final fsync, which reports them as before.
-    _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+def _start(fd: int, offset: int, nbytes: int) -> int:
+    """0, or -1 with errno set; a failure is left to the writer's final fsync, which
+    reports it as it did before."""
+    return _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class Writeback:
@@ -64,9 +65,9 @@ class Writeback:
     back; ``written(total)`` is told the bytes written so far after each write.
     """
 
-    def __init__(self, stream: Any, start: Any = None) -> None:
+    def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._start = start or (_start if supported() else None)
+        self._start = _start if supported() else None
         self._fd = self._fileno(stream) if self._start is not None else None
         self._done = 0  # bytes already handed to the disk
 
