@@ -441,6 +441,8 @@ def test_the_disk_write_starts_while_the_file_is_still_being_written(tmp_path, m
 
     if sys.platform.startswith("linux"):
         assert writeback.supported()  # the machines CI runs on can start it
+    else:
+        pytest.skip("sync_file_range is Linux's")
     events = []
     monkeypatch.setattr(writeback, "CHUNK", 1 << 20)
     monkeypatch.setattr(writeback, "_start", lambda fd, off, n: events.append(("start", off, n)))
@@ -464,6 +466,17 @@ def test_the_disk_write_starts_while_the_file_is_still_being_written(tmp_path, m
     dcp.load(loaded, checkpoint_id=tmp_path)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
+    # save_checkpoint(checksums=False) writes through DCP's writer: early all the same
+    events.clear()
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(6)])
+    save_checkpoint(tmp_path / "plain", model, checksums=False)
+    starts = [e for e in events if e[0] == "start"]
+    assert len(starts) >= 5 and events.index(("fsync",)) > events.index(starts[-1]), events
+    assert not (tmp_path / "plain" / MANIFEST).exists()
+    again = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(6)])
+    load_checkpoint(tmp_path / "plain", again)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(model, again))
+
 
 def test_the_write_back_call_is_the_kernels(tmp_path):
     """The real ``sync_file_range`` accepts a written file's range (no stand-in)."""
@@ -474,12 +487,13 @@ def test_the_write_back_call_is_the_kernels(tmp_path):
     if not sys.platform.startswith("linux"):
         assert not writeback.supported()
         return
-    path = tmp_path / "f"
-    with open(path, "wb") as f:
-        f.write(b"x" * (writeback.CHUNK + 10))
+    n = writeback.CHUNK + 10
+    with open(tmp_path / "a", "wb") as f:
+        f.write(b"x" * n)
         f.flush()
-        assert writeback._start(f.fileno(), 0, writeback.CHUNK + 10) == 0
-        stream = writeback.Writeback(f)
-        stream.written(writeback.CHUNK + 10)
-        assert stream._done == writeback.CHUNK + 10
-    assert path.read_bytes() == b"x" * (writeback.CHUNK + 10)
+        assert writeback._start(f.fileno(), 0, n) == 0
+    with open(tmp_path / "b", "wb") as f:
+        stream = writeback.WritebackStream(f)
+        stream.write(b"y" * n)
+        assert stream._done == n  # started through the real call
+    assert (tmp_path / "b").read_bytes() == b"y" * n

@@ -12,7 +12,7 @@ did not write, is summed from disk as before (``integrity.checksum``), so a
 sum is never wrong, only sometimes not free. ``.metadata`` is written to a
 temporary name and renamed: the sum follows the rename.
 
-The same streams start each file's write to the disk every few megabytes,
+Beneath the sums, each file's write to the disk starts every few megabytes,
 so DCP's closing ``fsync`` waits for the tail only (see [Note: Early
 write-back] in writeback.py).
 
@@ -39,28 +39,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._torch_compat import set_writer_file_system
 from . import crc
-from .writeback import Writeback
+from .writeback import WritebackFileSystem
 
 __all__ = ["SummingWriter"]
 
 
 class _SummingStream:
-    """A writable stream that sums what passes through it; anything else goes to ``raw``.
-
-    Every few megabytes it also starts the disk write of what it wrote (see
-    [Note: Early write-back] in writeback.py).
-    """
+    """A writable stream that sums what passes through it; anything else goes to ``raw``."""
 
     def __init__(self, raw: Any, extend: Any) -> None:
         self._raw = raw
         self._extend = extend
-        self._writeback = Writeback(raw)
         self.crc = self.size = 0
         self.in_order = True
 
@@ -71,8 +66,6 @@ class _SummingStream:
             view = view[:written]
         self.crc = self._extend(view, self.crc)
         self.size += len(view)
-        if self.in_order:
-            self._writeback.written(self.size)
         return written
 
     def seek(self, *args: Any) -> int:
@@ -83,8 +76,9 @@ class _SummingStream:
         return getattr(self._raw, name)
 
 
-class _SummingFileSystem(FileSystem):
-    """DCP's local file system, keeping ``{file name: (size, checksum)}`` of the files it wrote."""
+class _SummingFileSystem(WritebackFileSystem):
+    """DCP's local file system, keeping ``{file name: (size, checksum)}`` of the files it wrote
+    (and starting their disk writes early, as :class:`WritebackFileSystem` does)."""
 
     def __init__(self, algorithm: str) -> None:
         super().__init__()
