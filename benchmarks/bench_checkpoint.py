@@ -17,7 +17,7 @@ torchtitan does) of ``get_state_dict``, straight into the folder.
   against one with ``verify=False`` (of the same checkpoint, so both read
   from the page cache), taking turns; medians of the slowest rank.
 
-Every timed save and load starts from a full garbage collection (``_settled``):
+Every timed save and load starts from a full garbage collection (``settled``):
 a load allocates enough Python objects that one in about four runs a
 generation-2 collection (150 ms here, a fifth of the load), and with two
 variants taking turns it landed on the same one each time (verified loads
@@ -26,14 +26,13 @@ looked 1.2x unverified ones; 1.06x with it out of the way: the CRC pass).
 
 from __future__ import annotations
 
-import gc
 import shutil
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from common import FSDP_IMPLS, Trainer, max_over_ranks, rotated
+from common import FSDP_IMPLS, Trainer, max_over_ranks, rotated, settled
 
 _STEPS_PER_SAVE = 6  # steps run after each async save (those that overlap it count)
 
@@ -76,11 +75,11 @@ def _one_round(tr: Trainer, savers, n: int, times: dict) -> None:
         t0 = time.perf_counter()
         tr.step(i)
         times["step_idle"].append(time.perf_counter() - t0)
-    _settled()
+    settled()
     t0 = time.perf_counter()
     sync(2 * n)
     times["stall_sync"].append(time.perf_counter() - t0)
-    _settled()
+    settled()
     t0 = time.perf_counter()
     pending = background(2 * n + 1)
     times["stall_async"].append(time.perf_counter() - t0)
@@ -106,16 +105,10 @@ def _integrity_round(tr: Trainer, root: str, n: int, times: dict) -> None:
 
     for kind, fn in (("save", save), ("load", load)):
         for on in rotated([True, False], n):
-            _settled()
+            settled()
             t0 = time.perf_counter()
             fn(on)
             times[f"{kind}_{'on' if on else 'off'}"].append(time.perf_counter() - t0)
-
-
-def _settled() -> None:
-    """Every rank collected its garbage, then met the others: a timed call starts here."""
-    gc.collect()
-    dist.barrier()
 
 
 def _on_every_rank(flag: bool) -> bool:

@@ -22,13 +22,12 @@ step (as installed), with the default AdamW and, under ``CPUOffloadPolicy``, wit
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from common import cpu_mesh, max_over_ranks, rotated, timed
+from common import cpu_mesh, max_over_ranks, rotated, settled, timed
 from model import batch as demo_batch
 from model import build_model, model_loss
 
@@ -92,8 +91,7 @@ def _small_steps(warmup: int, reps: int) -> dict:
     for i in range(warmup + reps):
         for impl in rotated(list(SMALL_IMPLS), i):
             model, optim = models[impl], optims[impl]
-            gc.collect()  # each step starts from the same heap (see the module's docstring)
-            dist.barrier()
+            settled()  # each step starts from the same heap (see the module's docstring)
             t0 = time.perf_counter()
             model(inputs[i % len(inputs)]).pow(2).mean().backward()
             t1 = time.perf_counter()

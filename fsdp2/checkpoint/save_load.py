@@ -306,12 +306,10 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer | None, extra: dict | 
 def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bool) -> str:
     """Every rank writes ``state`` into ``final``'s partial folder; rank 0 commits it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
-    from .._torch_compat import set_writer_file_system
     from .streaming import StreamingSavePlanner
     from .summing import RankSums, SummingWriter
-    from .writeback import WritebackFileSystem
+    from .writeback import WritebackWriter
 
     partial = partial_dir(final)
 
@@ -334,14 +332,8 @@ def _write(state: dict, final: Path, keep: int | None, group: Any, checksums: bo
         integrity.write_manifest(partial, entries, algorithm)
         commit(final, keep)
 
-    if checksums:
-        writer = SummingWriter(partial, on_finish=commit_summed)
-    else:  # DCP's writer, starting each file's disk write early all the same
-        writer = FileSystemWriter(partial)
-        try:
-            set_writer_file_system(writer, WritebackFileSystem())
-        except RuntimeError:  # a torch without that hook: DCP's own file system, as is
-            pass
+    # Both start each file's disk write early ([Note: Early write-back] in writeback.py).
+    writer = SummingWriter(partial, on_finish=commit_summed) if checksums else WritebackWriter(partial)
     _dcp_call(f"save_checkpoint: writing {final}", final,
               lambda: dcp.save(state, checkpoint_id=partial, storage_writer=writer,
                                process_group=group, planner=StreamingSavePlanner()),

@@ -39,13 +39,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._torch_compat import set_writer_file_system
 from . import crc
-from .writeback import WritebackFileSystem
+from .writeback import WritebackFileSystem, WritebackWriter
 
 __all__ = ["SummingWriter"]
 
@@ -120,7 +118,7 @@ _SUMS = "__fsdp2_file_sums__"
 RankSums = list[tuple[str, dict[str, list[int]]]]
 
 
-class SummingWriter(FileSystemWriter):
+class SummingWriter(WritebackWriter):
     """``FileSystemWriter`` whose ``sums()`` are the size and checksum of each file it wrote.
 
     ``on_finish(sums)``: run on the coordinator once ``.metadata`` is written,
@@ -134,11 +132,10 @@ class SummingWriter(FileSystemWriter):
         on_finish: Callable[[RankSums], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(path, **kwargs)
         self.algorithm = crc.DEFAULT
         self._summing = _SummingFileSystem(self.algorithm)
         self._on_finish = on_finish
-        set_writer_file_system(self, self._summing)
+        super().__init__(path, file_system=self._summing, **kwargs)
 
     def sums(self) -> dict[str, list[int]]:
         """``{file name: [size, checksum]}``, as the checksum manifest keeps them."""

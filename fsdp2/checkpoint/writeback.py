@@ -27,9 +27,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-__all__ = ["CHUNK", "WritebackFileSystem", "WritebackStream", "supported"]
+from .._torch_compat import set_writer_file_system
+
+__all__ = ["CHUNK", "WritebackFileSystem", "WritebackStream", "WritebackWriter", "supported"]
 
 CHUNK = 8 << 20  # bytes between requests (2 MiB and 8 MiB measured the same; fewer calls)
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages not already under write-out
@@ -108,3 +110,19 @@ class WritebackFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         with super().create_stream(path, mode) as raw:
             yield raw if "r" in mode or "+" in mode or "a" in mode else WritebackStream(raw)
+
+
+class WritebackWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, its files written through ``file_system`` (by default a
+    :class:`WritebackFileSystem`); on a torch whose writer takes no other file system
+    (see ``set_writer_file_system``), DCP's own, unless ``file_system`` was asked for."""
+
+    def __init__(
+        self, path: str | os.PathLike, file_system: FileSystem | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(path, **kwargs)
+        try:
+            set_writer_file_system(self, file_system or WritebackFileSystem())
+        except RuntimeError:
+            if file_system is not None:  # (it records what a caller needs)
+                raise
