@@ -8,11 +8,21 @@ through the comm, on buffers the comm allocated, as upstream lays them out.
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from _impl import FSDPModule, fully_shard
 from _multiproc import run_ranks
-from checks import assert_losses_match, count_collectives, make_opts, train_steps
+from checks import (
+    assert_losses_match,
+    count_collectives,
+    full_params,
+    make_opts,
+    train_alone,
+    train_steps,
+)
 from models import (
     assert_params_match,
     build_transformer,
@@ -86,3 +96,50 @@ def _custom_comms_body(rank, world_size):
 def test_custom_all_gather_and_reduce_scatter():
     """Custom comms run every collective on their own buffers; training matches the reference."""
     run_ranks(_custom_comms_body, 2)
+
+
+def _ragged_custom_comms_body(rank, world_size):
+    from fsdp2 import RaggedShard
+
+    ragged = {"shard_placement_fn": lambda p: RaggedShard()}
+    ref, model = make_pair(lambda: build_transformer(seed=13))
+    default = build_transformer(seed=13)  # the same values, through the default collectives
+    shard_transformer(model, fully_shard, mesh=cpu_mesh(), **ragged)
+    shard_transformer(default, fully_shard, mesh=cpu_mesh(), **ragged)
+    bounds = {p.placements[-1].row_bounds for p in model.parameters() if p.dim() == 2}
+    ag, rs = CountingAllGather(), CountingReduceScatter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(ag)
+            m.set_custom_reduce_scatter(rs)
+    batches = [transformer_batch(s, 2 * world_size) for s in range(3)]
+    ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size,
+                                     make_opts(ref, model))
+    default_losses = train_alone(default, batches, transformer_loss, rank, world_size,
+                                 torch.optim.AdamW(default.parameters(), lr=1e-2))
+    assert_losses_match(ref_losses, losses)
+    assert_params_match(ref, model)
+    # the comms move the same bytes as the default collectives: bit for bit their training
+    assert losses == default_losses, (losses, default_losses)
+    got, want = full_params(model), full_params(default)
+    assert all(torch.equal(got[n], want[n]) for n in want), "differs from the default gather"
+    # 3 steps x (3 forward + 2 backward all-gathers, 3 reduce-scatters)
+    assert len(ag.calls) == 15 and len(rs.calls) == 9, (len(ag.calls), len(rs.calls))
+    for call in ag.calls:
+        out, inp = call["out"], call["in"]
+        assert ag.owns(out), "all-gather output not from allocate()"
+        assert out.numel() == world_size * inp.numel()
+        assert inp.data_ptr() == out.data_ptr() + rank * inp.numel() * inp.element_size()
+    for call in rs.calls:
+        assert rs.owns(call["out"]) and rs.owns(call["in"]), "reduce-scatter buffers not allocated"
+        assert call["in"].numel() == world_size * call["out"].numel()
+    return bounds
+
+
+@pytest.mark.skipif(os.environ.get("FSDP2_TEST_IMPL") == "torch", reason="fsdp2's RaggedShard")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_custom_comms_on_the_parameter_major_layout(world_size):
+    """Custom comms on RaggedShard groups: their own buffers, the default collectives' bits."""
+    bounds = run_ranks(_ragged_custom_comms_body, world_size)[0]
+    if world_size == 3:  # the plan's rows, not torch.chunk's (ceil(rows / 3) on each rank)
+        assert any(b[1] - b[0] != b[2] - b[1] for b in bounds), bounds

@@ -244,6 +244,8 @@ MATRIX = {
                                         reshard_after_forward=False, max_input_buffers=2),
     "ragged_extensions": _case(shard_placement_fn=lambda p: RaggedShard(), row_hooks=True,
                                prefetch=True),
+    "ragged_custom_all_gather": _case(shard_placement_fn=lambda p: RaggedShard(),
+                                      custom_all_gather=True),
 }
 
 

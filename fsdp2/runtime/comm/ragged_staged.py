@@ -1,4 +1,4 @@
-"""The parameter-major layout's all-gather with extensions: plain rows and hook inputs at once.
+"""The parameter-major layout's staged all-gather: plain rows and hook inputs at once.
 
 [Note: Extensions on the parameter-major layout]
 A ``RaggedShard`` group gathers its flat buffer as it is: the output is the
@@ -20,6 +20,11 @@ After the collective the plain rows are copied to their places in the
 buffer (``out=``; the unsharded parameter is part of the group's buffer from
 the first gather on, so the post hook is always called with ``out``). A
 hooked parameter's own rows are not sent at all.
+
+A custom all-gather comm (``set_custom_all_gather``) takes the same path,
+hooks or not: its ``allocate`` owns the staging output (this rank's block is
+the input, as upstream lays it out), and the rows are copied from there into
+the group's buffer, as upstream copies them out into its parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch.distributed as dist
 from ..storage.param import FSDPParam
 from ..storage.ragged_rows import RaggedRows
 from . import staged_collectives
-from .staged_collectives import StagedAllGather
+from .staged_collectives import AllGather, StagedAllGather
 
 
 def _rows(layout: RaggedRows, rank: int) -> int:
@@ -91,13 +96,15 @@ def all_gather(
     group: dist.ProcessGroup,
     rank: int,
     world_size: int,
+    comm: AllGather | None,
     async_op: bool,
     skip_collective: bool,
 ) -> StagedAllGather:
     """Gather the plain rows (``slots``, cast to ``dtype``) and the hooks' inputs in one collective.
 
     ``slots``: the parameters' rows on the device, ``None`` for a hooked one;
-    ``hook_inputs``: the pre hooks' flat inputs by parameter index.
+    ``hook_inputs``: the pre hooks' flat inputs by parameter index; ``comm``: a
+    custom all-gather (``set_custom_all_gather``), which allocates the output.
     """
     plain = [slot.to(dtype) for slot in slots if slot is not None]
     numels, _ = _plain_copies(_plain_layouts(fsdp_params), world_size)
@@ -105,7 +112,7 @@ def all_gather(
     pieces = [*plain, torch.zeros(padding, dtype=dtype, device=device)]
     inputs = [pieces] + [hook_inputs[i] for i in sorted(hook_inputs)]
     return staged_collectives.all_gather(
-        fsdp_params, inputs, group, rank, world_size, None, async_op, skip_collective
+        fsdp_params, inputs, group, rank, world_size, comm, async_op, skip_collective
     )
 
 

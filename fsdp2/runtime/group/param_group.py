@@ -320,14 +320,10 @@ class FSDPParamGroup:
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
         gather = self._gather
-        if self.order.param_major and (
-            effective(self.settings.all_gather_comm) is not None
-            or self.layout.mixed or gather.partly_cast
-        ):
+        if self.order.param_major and (self.layout.mixed or gather.partly_cast):
             raise FSDPNotImplementedError(
-                f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather with "
-                "the default collective or all-gather extensions only (no custom all-gather "
-                "comm, mixed dtypes or per-parameter casts yet); return None from "
+                f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather "
+                "one dtype (no mixed dtypes or per-parameter casts yet); return None from "
                 "shard_placement_fn for this module"
             )
         ctx = self.comm_ctx
@@ -358,7 +354,8 @@ class FSDPParamGroup:
             self.wait_for_unshard()
 
     def _unshard_param_major_staged(self, async_op: bool) -> None:
-        """A parameter-major group with hooked parameters: their inputs in place of their rows."""
+        """A parameter-major group with hooked parameters (their inputs in place of their rows)
+        or a custom all-gather comm (its buffer in place of the group's)."""
         slots = [self._slot(i) for i in range(len(self.fsdp_params))]
         rows, hook_inputs = ragged_staged.gather_inputs(
             self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
@@ -366,7 +363,8 @@ class FSDPParamGroup:
         self.step.pending_staged = ragged_staged.all_gather(
             self.fsdp_params, rows, hook_inputs, self.dtypes.param or self.layout.dtype,
             self.device, self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
-            self.mesh_info.shard_mesh_size, async_op, skip_collective=self.alone,
+            self.mesh_info.shard_mesh_size, effective(self.settings.all_gather_comm), async_op,
+            skip_collective=self.alone,
         )
         if not async_op:
             self.wait_for_unshard()
