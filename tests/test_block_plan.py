@@ -166,7 +166,9 @@ def test_config_groups_count_the_published_parameters() -> None:
 def test_layout_rows_and_the_command(capsys) -> None:
     groups = config_groups(load_hf_config("llama-3-8b"))
     rows = layout_rows(groups, [8])
-    assert [r.layout for r in rows] == ["dim-0 chunks", "rows", "128x128 tiles", "256 blocks"]
+    assert [r.layout for r in rows] == [
+        "dim-0 chunks", "rows", "128x128 tiles", "128x128 tiles, packed (planner only)", "256 blocks"
+    ]
     assert rows[0].padding == sum(chunk_padding([s for _, s in g], 8) for g in groups)
     main(["--hf-config", "llama-3-8b", "--layouts", "--world-size", "8,64"])
     out = capsys.readouterr().out

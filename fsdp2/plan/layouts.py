@@ -18,14 +18,18 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..runtime.storage.block_plan import Granularity, chunk_padding, plan_blocks
+from .tile_packing import pack_tiles
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
-# The layouts the report compares: a name and each parameter's granularity (None: dim-0 chunks).
+# The layouts the report compares: a name and each parameter's granularity (None: dim-0
+# chunks; PACKED: 128 x 128 tiles packed, see [Note: Packed tiles] in tile_packing.py).
+PACKED = "packed"
 LAYOUTS: tuple[tuple[str, Granularity | None], ...] = (
     ("dim-0 chunks", None),
     ("rows", "rows"),
     ("128x128 tiles", (128, 128)),
+    ("128x128 tiles, packed (planner only)", PACKED),
     ("256 blocks", 256),
 )
 
@@ -158,7 +162,11 @@ def layout_rows(groups: list[Shapes], world_sizes: Sequence[int]) -> list[Layout
             pad, total, slowest = 0, 0.0, 0.0
             for g in groups:
                 start = time.perf_counter()
-                plan = plan_blocks([s for _, s in g], [granularity] * len(g), w, [n for n, _ in g])
+                if granularity == PACKED:
+                    plan = pack_tiles([s for _, s in g], w)
+                else:
+                    plan = plan_blocks([s for _, s in g], [granularity] * len(g), w,
+                                       [n for n, _ in g])
                 took = time.perf_counter() - start
                 pad += plan.padding
                 total, slowest = total + took, max(slowest, took)
