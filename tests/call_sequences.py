@@ -8,7 +8,9 @@ with a closure, compiled, or one that raises), ``zero_grad`` both ways,
 ``state_dict`` / ``load_state_dict`` (torch's, a ``torch.save`` round trip,
 DCP's ``get_state_dict`` / ``set_state_dict``, a DCP checkpoint on disk),
 references held to state dicts and to state tensors, ``add_param_group``,
-hyperparameter edits, freezing, scheduler steps. After **every** call it
+hyperparameter edits, freezing, scheduler steps; a quarter of the sequences
+run every collective through custom comms (``set_custom_all_gather`` and
+``set_custom_reduce_scatter``, on both sides). After **every** call it
 compares what a user can observe: the parameters and their gradients to the
 bit, the optimizer's param groups and state (keys, order, types, values),
 the values behind every reference held so far, and whether (and with which
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from checks import TorchAllGather, TorchReduceScatter
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
@@ -152,6 +155,14 @@ class Sequence:
             _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged),
             _build(upstream_fully_shard, mesh, self.name, self.kwargs, False),
         ]
+        # Drawn apart from the calls' stream, so that a seed's calls stay what they were.
+        self.comms = random.Random(f"custom comms {seed}").random() < 0.25
+        if self.comms:
+            for side in self.sides:
+                for module in side.model.modules():
+                    if hasattr(module, "set_custom_all_gather"):
+                        module.set_custom_all_gather(TorchAllGather())
+                        module.set_custom_reduce_scatter(TorchReduceScatter())
         self.tier = tier
         if tier is not None:  # fsdp2's optimizer state tiers (upstream has none: its own step)
             self._folder = tempfile.TemporaryDirectory()
@@ -161,6 +172,7 @@ class Sequence:
         self.batch = 0
         self.log: list[str] = [f"seed {seed}: {self.name}({self.kwargs}), W={world_size}"
                                + (", RaggedShard" if ragged else "")
+                               + (", custom comms" if self.comms else "")
                                + (f", offload={tier}" if tier else "")]
 
     # ---- the calls ------------------------------------------------------------------

@@ -514,3 +514,26 @@ def bind_row_hooks(model: torch.nn.Module, pick, calls: list | None = None) -> l
             local.fsdp_post_all_gather = MethodType(post, local)
             chosen.append(name)
     return chosen
+
+
+class TorchAllGather:
+    """A custom all-gather (``set_custom_all_gather``): its own output buffers, the collective
+    through ``torch.distributed``, as upstream's interface has it."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class TorchReduceScatter:
+    """A custom reduce-scatter (``set_custom_reduce_scatter``), likewise."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)

@@ -32,7 +32,14 @@ import torch.distributed as dist
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
 from _impl import FSDPModule, fully_shard, share_comm_ctx
-from checks import check_case, count_collectives, on_collectives, train_alone
+from checks import (
+    TorchAllGather,
+    TorchReduceScatter,
+    check_case,
+    count_collectives,
+    on_collectives,
+    train_alone,
+)
 from models import (
     assert_grads_match,
     build_mlp,
@@ -165,24 +172,6 @@ def _separate_group_case(hsdp):
 # ---- settings that change no result on gloo ---------------------------------------------
 
 
-class _AllGather:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
-
-
-class _ReduceScatter:
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
-
-
 def _raises(exc_type, match, fn):
     try:
         fn()
@@ -218,14 +207,14 @@ def _no_result_change(rank, world_size):
                 lambda m=model: m.set_reduce_scatter_max_input_buffers(1.5))
         _raises(ValueError, "max_input_buffers must be a positive int, got 0",
                 lambda m=model: m.set_reduce_scatter_max_input_buffers(0))
-        model.set_custom_all_gather(_AllGather())
+        model.set_custom_all_gather(TorchAllGather())
         _raises(AssertionError, "cannot call set_allocate_memory_from_process_group() when all "
-                "gather comm is custom: _AllGather",
+                "gather comm is custom: TorchAllGather",
                 lambda m=model: m.set_allocate_memory_from_process_group_for_comm(True))
         model = shard_mlp(build_mlp(), shard, mesh=cpu_mesh())
-        model.set_custom_reduce_scatter(_ReduceScatter())
+        model.set_custom_reduce_scatter(TorchReduceScatter())
         _raises(AssertionError, "cannot call set_allocate_memory_from_process_group() when "
-                "reduce scatter comm is custom: _ReduceScatter",
+                "reduce scatter comm is custom: TorchReduceScatter",
                 lambda m=model: m.set_allocate_memory_from_process_group_for_comm(True))
 
 
@@ -244,9 +233,9 @@ def _symm_mem(rank, world_size):
         model = shard_mlp(build_mlp(), shard, mesh=cpu_mesh())
         outcomes.append(_outcome(model.set_symm_mem_for_comm))
         model = shard_mlp(build_mlp(), shard, mesh=cpu_mesh())
-        model.set_custom_all_gather(_AllGather())
+        model.set_custom_all_gather(TorchAllGather())
         _raises(AssertionError, "cannot call set_symm_mem() when all gather comm is custom: "
-                "_AllGather", model.set_symm_mem_for_comm)
+                "TorchAllGather", model.set_symm_mem_for_comm)
     assert outcomes[0] == outcomes[1], outcomes
     if not torch.cuda.is_available():
         assert outcomes[0][0] in ("RuntimeError", "ok"), outcomes

@@ -12,10 +12,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from _impl import FSDPModule, fully_shard
 from _multiproc import run_ranks
 from checks import (
+    TorchAllGather,
+    TorchReduceScatter,
     assert_losses_match,
     count_collectives,
     full_params,
@@ -34,15 +35,15 @@ from models import (
 )
 
 
-class _Comm:
-    """Allocates with torch.empty and remembers what it handed out and was called with."""
+class _Counting:
+    """Remembers the buffers it allocated and the calls it ran (mixed into a torch comm)."""
 
     def __init__(self) -> None:
         self.allocated: list[torch.Tensor] = []
         self.calls: list[dict] = []
 
     def allocate(self, size, *, dtype, device):
-        t = torch.empty(*size, dtype=dtype, device=device)
+        t = super().allocate(size, dtype=dtype, device=device)
         self.allocated.append(t)
         return t
 
@@ -51,46 +52,54 @@ class _Comm:
                    for a in self.allocated)
 
 
-class CountingAllGather(_Comm):
+class CountingAllGather(_Counting, TorchAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls.append({"out": output_tensor, "in": input_tensor})
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-class CountingReduceScatter(_Comm):
+class CountingReduceScatter(_Counting, TorchReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls.append({"out": output_tensor, "in": input_tensor, "op": op})
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _set_comms(model) -> tuple[CountingAllGather, CountingReduceScatter]:
+    """Counting comms on every fsdp2 module of ``model``."""
+    ag, rs = CountingAllGather(), CountingReduceScatter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(ag)
+            m.set_custom_reduce_scatter(rs)
+    return ag, rs
+
+
+def _assert_through_the_comms(ag, rs, rank, world_size) -> None:
+    """3 steps x (3 forward + 2 backward all-gathers, 3 reduce-scatters), all on the comms'
+    buffers; each all-gather input is this rank's block of the allocated output."""
+    assert len(ag.calls) == 15 and len(rs.calls) == 9, (len(ag.calls), len(rs.calls))
+    for call in ag.calls:
+        out, inp = call["out"], call["in"]
+        assert ag.owns(out), "all-gather output not from allocate()"
+        assert out.numel() == world_size * inp.numel()
+        assert inp.data_ptr() == out.data_ptr() + rank * inp.numel() * inp.element_size()
+    for call in rs.calls:
+        assert rs.owns(call["out"]) and rs.owns(call["in"]), "reduce-scatter buffers not allocated"
+        assert call["in"].numel() == world_size * call["out"].numel()
 
 
 def _custom_comms_body(rank, world_size):
     ref, model = make_pair(lambda: build_transformer(seed=13))
     shard_transformer(model, fully_shard, mesh=cpu_mesh())
-    ag, rs = CountingAllGather(), CountingReduceScatter()
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in fsdp_modules:
-        m.set_custom_all_gather(ag)
-        m.set_custom_reduce_scatter(rs)
+    ag, rs = _set_comms(model)
     batches = [transformer_batch(s, 2 * world_size) for s in range(3)]
     opts = make_opts(ref, model)
     with count_collectives() as counts:
         ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size, opts)
     assert_losses_match(ref_losses, losses)
     assert_params_match(ref, model)
-    # 3 steps x (3 forward + 2 backward all-gathers, 3 reduce-scatters): all through the comms
-    assert len(ag.calls) == 15 and len(rs.calls) == 9, (len(ag.calls), len(rs.calls))
+    _assert_through_the_comms(ag, rs, rank, world_size)
     assert counts["all_gather"] >= 15 and counts["reduce_scatter"] == 9, counts
-    for call in ag.calls:
-        out, inp = call["out"], call["in"]
-        assert ag.owns(out), "all-gather output not from allocate()"
-        assert out.numel() == world_size * inp.numel()
-        # the input is this rank's block of the allocated output
-        assert inp.data_ptr() == out.data_ptr() + rank * inp.numel() * inp.element_size()
-    for call in rs.calls:
-        assert rs.owns(call["out"]) and rs.owns(call["in"]), "reduce-scatter buffers not allocated"
-        assert call["in"].numel() == world_size * call["out"].numel()
 
 
 def test_custom_all_gather_and_reduce_scatter():
@@ -107,11 +116,7 @@ def _ragged_custom_comms_body(rank, world_size):
     shard_transformer(model, fully_shard, mesh=cpu_mesh(), **ragged)
     shard_transformer(default, fully_shard, mesh=cpu_mesh(), **ragged)
     bounds = {p.placements[-1].row_bounds for p in model.parameters() if p.dim() == 2}
-    ag, rs = CountingAllGather(), CountingReduceScatter()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(ag)
-            m.set_custom_reduce_scatter(rs)
+    ag, rs = _set_comms(model)
     batches = [transformer_batch(s, 2 * world_size) for s in range(3)]
     ref_losses, losses = train_steps(ref, model, batches, transformer_loss, rank, world_size,
                                      make_opts(ref, model))
@@ -123,16 +128,7 @@ def _ragged_custom_comms_body(rank, world_size):
     assert losses == default_losses, (losses, default_losses)
     got, want = full_params(model), full_params(default)
     assert all(torch.equal(got[n], want[n]) for n in want), "differs from the default gather"
-    # 3 steps x (3 forward + 2 backward all-gathers, 3 reduce-scatters)
-    assert len(ag.calls) == 15 and len(rs.calls) == 9, (len(ag.calls), len(rs.calls))
-    for call in ag.calls:
-        out, inp = call["out"], call["in"]
-        assert ag.owns(out), "all-gather output not from allocate()"
-        assert out.numel() == world_size * inp.numel()
-        assert inp.data_ptr() == out.data_ptr() + rank * inp.numel() * inp.element_size()
-    for call in rs.calls:
-        assert rs.owns(call["out"]) and rs.owns(call["in"]), "reduce-scatter buffers not allocated"
-        assert call["in"].numel() == world_size * call["out"].numel()
+    _assert_through_the_comms(ag, rs, rank, world_size)
     return bounds
 
 

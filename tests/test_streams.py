@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from checks import bind_row_hooks, check_case, train_alone, train_steps
+from checks import TorchAllGather, bind_row_hooks, check_case, train_alone, train_steps
 from models import (
     build_chain,
     chain_batch,
@@ -69,7 +68,7 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         bind_row_hooks(model, lambda name, p: p.dim() == 2, hooked)
     if custom_all_gather:  # the staged all-gather path (a user comm with its own buffers)
         for m in [*model.layers, model]:
-            m.set_custom_all_gather(_AllGather())
+            m.set_custom_all_gather(TorchAllGather())
     if finalize_async:
         model.set_manual_backward_finalization(True)
     if max_input_buffers != 1:  # reductions in flight at once (read at lazy init)
@@ -131,17 +130,6 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.full_tensor(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
     return checker.errors
-
-
-class _AllGather:
-    """A custom all-gather: its own output buffers, the collective through torch.distributed."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
 
 
 def _planted(rank, world_size):

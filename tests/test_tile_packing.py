@@ -38,8 +38,11 @@ def _check(shapes, plan, tile: int) -> None:
             seen.setdefault(i, []).append((rank, a, b))
     for i, n in enumerate(rows):
         runs = sorted(seen.get(i, []))  # by rank: rows in order across ranks
-        assert [a for _, a, _ in runs] == [0] + [b for _, _, b in runs[:-1]] if n else not runs, i
-        assert (runs[-1][2] if runs else 0) == n, (i, runs)
+        if n * row_numel[i] == 0:
+            assert not runs, (i, runs)
+            continue
+        starts, stops = [a for _, a, _ in runs], [b for _, _, b in runs]
+        assert starts == [0] + stops[:-1] and stops[-1] == n, (i, runs)
     assert plan.numel == sum(math.prod(s) for s in shapes)
     assert plan.padding == world * plan.shard_numel - plan.numel
 

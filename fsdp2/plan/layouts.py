@@ -12,7 +12,7 @@ second per world size, without building it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -22,15 +22,32 @@ from .tile_packing import pack_tiles
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
-# The layouts the report compares: a name and each parameter's granularity (None: dim-0
-# chunks; PACKED: 128 x 128 tiles packed, see [Note: Packed tiles] in tile_packing.py).
-PACKED = "packed"
-LAYOUTS: tuple[tuple[str, Granularity | None], ...] = (
+# A layout's planner: a group's padding at a world size (None: dim-0 chunks, no planner).
+Planner = Callable[[Shapes, int], int] | None
+
+
+def _blocks(granularity: Granularity) -> Planner:
+    """The parameter-major plan with every parameter at ``granularity``."""
+
+    def padding(group: Shapes, world_size: int) -> int:
+        shapes, names = [s for _, s in group], [n for n, _ in group]
+        return plan_blocks(shapes, [granularity] * len(group), world_size, names).padding
+
+    return padding
+
+
+def _packed(group: Shapes, world_size: int) -> int:
+    """128 x 128 tiles packed (see [Note: Packed tiles] in tile_packing.py)."""
+    return pack_tiles([s for _, s in group], world_size).padding
+
+
+# The layouts the report compares, each with its planner.
+LAYOUTS: tuple[tuple[str, Planner], ...] = (
     ("dim-0 chunks", None),
-    ("rows", "rows"),
-    ("128x128 tiles", (128, 128)),
-    ("128x128 tiles, packed (planner only)", PACKED),
-    ("256 blocks", 256),
+    ("rows", _blocks("rows")),
+    ("128x128 tiles", _blocks((128, 128))),
+    ("128x128 tiles, packed (planner only)", _packed),
+    ("256 blocks", _blocks(256)),
 )
 
 
@@ -154,21 +171,16 @@ def layout_rows(groups: list[Shapes], world_sizes: Sequence[int]) -> list[Layout
     largest = max(len(g) for g in groups)
     rows = []
     for w in world_sizes:
-        for name, granularity in LAYOUTS:
-            if granularity is None:
+        for name, planner in LAYOUTS:
+            if planner is None:
                 pad = sum(chunk_padding([s for _, s in g], w) for g in groups)
                 rows.append(LayoutRow(w, name, pad, numel, 0.0, 0.0, largest))
                 continue
             pad, total, slowest = 0, 0.0, 0.0
             for g in groups:
                 start = time.perf_counter()
-                if granularity == PACKED:
-                    plan = pack_tiles([s for _, s in g], w)
-                else:
-                    plan = plan_blocks([s for _, s in g], [granularity] * len(g), w,
-                                       [n for n, _ in g])
+                pad += planner(g, w)
                 took = time.perf_counter() - start
-                pad += plan.padding
                 total, slowest = total + took, max(slowest, took)
             rows.append(LayoutRow(w, name, pad, numel, total, slowest, largest))
     return rows
