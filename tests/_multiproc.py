@@ -45,6 +45,7 @@ import _shm_backend
 # Generous for ~2 s launches on a loaded 2-core box, short enough that a
 # deadlocking implementation cannot stall the whole suite for long.
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDP2_TEST_TIMEOUT", "90"))
+_LAUNCH_DIR_ENV = "FSDP2_TEST_LAUNCH_DIR"
 # After the first rank fails, give the others this long to report their own
 # errors before killing them (they are usually blocked in a collective).
 _GRACE_S = 1.0
@@ -72,6 +73,7 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        os.environ[_LAUNCH_DIR_ENV] = out_dir
         # the parent serves the store (see run_ranks)
         store = dist.TCPStore(
             "127.0.0.1", store_port, world_size, is_master=False,
@@ -148,6 +150,13 @@ def _oversubscribed(rank: int, world_size: int) -> Any:
     options = dist.ProcessGroupGloo._Options()  # private in torch; tests only
     options._threads = 1
     return options
+
+
+def launch_dir(name: str) -> str:
+    """A folder all ranks of this launch share (the same path on each), removed with the launch."""
+    path = os.path.join(os.environ[_LAUNCH_DIR_ENV], name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def default_backend() -> str:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import copy
 import io
 import os
-import subprocess
-import sys
 import weakref
 
 import pytest
 import torch
 from _impl import IMPL
+from _multiproc import run_ranks
 from checks import assert_same_optimizer_state, check_case
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
@@ -25,7 +24,7 @@ from models import transformer_loss as loss_of
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2.optim import flat_step_engine
+from fsdp2.optim import default_step, flat_step_engine
 
 pytestmark = pytest.mark.skipif(IMPL == "torch", reason="fsdp2's own default (not in upstream)")
 
@@ -245,28 +244,23 @@ def test_default_flat_step(world_size, case, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
 
 
+def _env_switch(rank, world_size, value):
+    # the variable is read when an optimizer first steps, so setting it here is what a
+    # launcher's environment is by then
+    os.environ.pop(default_step.ENV_VAR, None)
+    if value is not None:
+        os.environ[default_step.ENV_VAR] = value
+    model = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())
+    optim = torch.optim.AdamW(model.parameters())
+    loss_of(model, batch_of(0, 2)).backward()
+    optim.step()
+    return flat_step_engine(optim) is not None
+
+
 @pytest.mark.parametrize("value", ["0", "off", "1", None])
 def test_env_var_switches_it(value):
     """Unset or FSDP2_FLAT_STEP=1: the engine attaches at the first step; =0 / off: none."""
-    code = (
-        "import sys; sys.path.insert(0, 'tests')\n"
-        "from _multiproc import run_ranks\n"
-        "def body(rank, world_size):\n"
-        "    import torch, fsdp2\n"
-        "    from models import build_transformer, cpu_mesh, shard_transformer, transformer_batch, transformer_loss\n"
-        "    m = shard_transformer(build_transformer(seed=5), fsdp2.fully_shard, mesh=cpu_mesh())\n"
-        "    o = torch.optim.AdamW(m.parameters())\n"
-        "    transformer_loss(m, transformer_batch(0, 2)).backward(); o.step()\n"
-        f"    assert (fsdp2.optim.flat_step_engine(o) is not None) == {value in ('1', None)}\n"
-        "if __name__ == '__main__':\n"
-        "    run_ranks(body, 1)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "FSDP2_FLAT_STEP"}
-    if value is not None:
-        env["FSDP2_FLAT_STEP"] = value
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_ranks(_env_switch, 1, value) == [value in ("1", None)]
 
 
 def test_cpp_loop_only_where_the_bits_are_the_same():

@@ -18,13 +18,12 @@ test_streams.py. See [Note: Replica slices] in fsdp2/runtime/group/replica_slice
 from __future__ import annotations
 
 import copy
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only, fully_shard
+from _multiproc import launch_dir
 from _threaded import run_threads
 from checks import check_case, record_collectives, train_alone
 from models import build_transformer, full, rank_slice, shard_transformer
@@ -223,16 +222,15 @@ def _state_dict_round_trip(rank, world_size):
             else:
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), (fqn, key)
     # save with the option, load into plain HSDP (and the other way): training goes on alike
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder[0] + "/opt")
-    dcp.save({"model": ps, "optim": po}, checkpoint_id=folder[0] + "/plain")
+    folder = launch_dir("dcp")
+    dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder + "/opt")
+    dcp.save({"model": ps, "optim": po}, checkpoint_id=folder + "/plain")
     (plain2, p_opt2, p_h2), (model2, opt2, h2) = _pair(16, mesh, OPTIMS["adamw"])
     for m, o, src in ((plain2, p_opt2, "opt"), (model2, opt2, "plain")):
         _train(m, o, rank, world_size, 1)  # state to load into
         s, os_ = get_state_dict(m, o)
         loaded = {"model": s, "optim": os_}
-        dcp.load(loaded, checkpoint_id=f"{folder[0]}/{src}")
+        dcp.load(loaded, checkpoint_id=f"{folder}/{src}")
         set_state_dict(m, o, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     for m, o in ((plain, p_opt), (model, opt), (plain2, p_opt2), (model2, opt2)):
         _train(m, o, rank, world_size, 2, first=2)
@@ -259,14 +257,13 @@ def _param_major(rank, world_size):
             if isinstance(v, DTensor):
                 assert isinstance(w.placements[-1], fsdp2.RaggedShard), (fqn, key, w.placements)
                 assert w.placements == v.placements and torch.equal(v.to_local(), w.to_local())
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder[0] + "/ragged")
+    folder = launch_dir("dcp")
+    dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder + "/ragged")
     (dim0, d_opt, d_h), _ = _pair(16, mesh, OPTIMS["adamw"])
     _train(dim0, d_opt, rank, world_size, 1)  # state to load into
     s, os_ = get_state_dict(dim0, d_opt)
     loaded = {"model": s, "optim": os_}
-    dcp.load(loaded, checkpoint_id=folder[0] + "/ragged")
+    dcp.load(loaded, checkpoint_id=folder + "/ragged")
     set_state_dict(dim0, d_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     for m, o in ((model, opt), (dim0, d_opt)):
         _train(m, o, rank, world_size, 2, first=2)

@@ -16,8 +16,6 @@ and, on gloo, ``set_force_sum_reduction_for_comms``), as the reference's mean.
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as upstream
 from _impl import IMPL, ShardPlacementResult, fully_shard
-from _multiproc import run_ranks
+from _multiproc import launch_dir, run_ranks
 from checks import (
     ATOL,
     RTOL,
@@ -230,22 +228,18 @@ def _dcp_round_trip(rank, world_size):
     dp, sparse = moe_meshes("cpu", 2)
     model = _sharded(toy_moe(), fully_shard, ShardPlacementResult, dp, sparse, 2, world_size)
     train_alone(model, [moe_batch(0, PER_RANK * world_size)], moe_loss, rank, world_size)
-    folder = [tempfile.mkdtemp(prefix="fsdp2-moe-") if rank == 0 else None]
-    dist.broadcast_object_list(folder)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=folder[0])
+    folder = launch_dir("dcp")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
     other = _sharded(toy_moe(seed=1), fully_shard, ShardPlacementResult, dp, sparse, 2,
                      world_size)
     state = {"model": other.state_dict()}
-    dcp.load(state, checkpoint_id=folder[0])
+    dcp.load(state, checkpoint_id=folder)
     other.load_state_dict(state["model"])
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), name
     batch = moe_batch(1, PER_RANK * world_size)
     assert train_alone(model, [batch], moe_loss, rank, world_size) == train_alone(
         other, [batch], moe_loss, rank, world_size)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(folder[0])
 
 
 def _collective_order(ep, num_experts, setup=None, **kwargs):

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import copy
 import pickle
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only
-from _multiproc import run_ranks
+from _multiproc import launch_dir, run_ranks
 from checks import (
     EVERY_COLLECTIVE,
     assert_losses_match,
@@ -268,8 +266,7 @@ def _state_dict_and_serialization(rank, world_size):
 
 def _dcp_across_layouts(rank, world_size):
     """DCP from the parameter-major layout to dim-0 and back: parameters and AdamW state to the bit."""
-    path = [tempfile.mkdtemp(prefix="fsdp2_ragged_") if rank == 0 else None]
-    dist.broadcast_object_list(path)
+    path = launch_dir("dcp")
     trained = {}
     for layout in ("ragged", "dim0"):
         model = build_transformer(seed=26)
@@ -282,7 +279,7 @@ def _dcp_across_layouts(rank, world_size):
     for src, dst in (("ragged", "dim0"), ("dim0", "ragged")):
         model, optim = trained[src]
         dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)},
-                 checkpoint_id=f"{path[0]}_{src}")
+                 checkpoint_id=f"{path}_{src}")
         target = build_transformer(seed=99)  # other values: the load must overwrite them all
         fn = _ragged(16) if dst == "ragged" else None
         shard_transformer(target, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
@@ -290,7 +287,7 @@ def _dcp_across_layouts(rank, world_size):
         train_alone(target, [transformer_batch(9, 2 * world_size)], transformer_loss, rank,
                     world_size, target_optim)  # make its state
         state = {"model": target.state_dict(), "optim": get_optimizer_state_dict(target, target_optim)}
-        dcp.load(state, checkpoint_id=f"{path[0]}_{src}")
+        dcp.load(state, checkpoint_id=f"{path}_{src}")
         target.load_state_dict(state["model"])
         set_optimizer_state_dict(target, target_optim, state["optim"])
         for (name, p), q in zip(target.named_parameters(), model.parameters()):
