@@ -344,20 +344,22 @@ class FSDPModule:
         """
         if hook is not None and not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        check_one_group(self._fsdp_state().param_groups, "set_all_reduce_hook", "hook")
+        groups = self._groups(recurse=False)
+        if stream is not None and any(group.mesh_info.is_hsdp for group in groups):
+            # upstream's text exactly (its tests compare str(error)), checked first as
+            # upstream does; ours in a note
+            error = ValueError("stream cannot be set when using native HSDP")
+            note = ("On a 2-D (replicate, shard) mesh the hook runs after FSDP's own "
+                    "all-reduce, on its stream: pass stream=None")
+            error.__notes__ = [note]  # what add_note (Python 3.11+) sets
+            raise error
         if stream is not None and not callable(getattr(stream, "wait_stream", None)):
             raise ValueError(
                 f"set_all_reduce_hook expects stream to be a stream or None, got "
                 f"{type(stream).__name__}"
             )
-        check_one_group(self._fsdp_state().param_groups, "set_all_reduce_hook", "hook")
-        for group in self._groups(recurse=False):
-            if stream is not None and group.mesh_info.is_hsdp:
-                # upstream's text exactly (its tests compare str(error)); ours in a note
-                error = ValueError("stream cannot be set when using native HSDP")
-                note = ("On a 2-D (replicate, shard) mesh the hook runs after FSDP's own "
-                        "all-reduce, on its stream: pass stream=None")
-                error.__notes__ = [note]  # what add_note (Python 3.11+) sets
-                raise error
+        for group in groups:
             # as upstream: a later call without a stream keeps the one given before
             group.reduction.set_all_reduce_hook(hook, stream)
 

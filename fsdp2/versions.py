@@ -56,11 +56,6 @@ REDUCE_IN_PARAM_DTYPE_BY_DEFAULT: bool = TORCH_RELEASE >= (2, 15)
 #: backward. See [Note: Gradient accumulation dtype] in reduction.py.
 ACCUMULATE_IN_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
 
-#: torch.distributed.pipelining drives FSDP stages only through FSDPModule's public
-#: methods (torch >= 2.15), so patch_torch() can hand it fsdp2's modules; before, it
-#: reads upstream's private state and fsdp2.pipelining.PipelineStage is the way.
-PIPELINING_USES_PUBLIC_FSDP_API: bool = TORCH_RELEASE >= (2, 15)
-
 #: Upstream's post-backward profiler ranges: ``FSDP::post_backward_accumulate`` around
 #: taking the gradients, then ``FSDP::post_backward_reshard`` (torch < 2.15); one
 #: ``FSDP::post_backward_reshard`` range around both (torch >= 2.15).

@@ -17,10 +17,11 @@ implementation.
   schedule each; torch's own ``PipelineStage`` over fsdp2 modules (as before:
   same losses and parameters, more collectives).
 - W = 8: (pp=2, dp=2, tp=2), blocks tensor-parallel on ``tp``, 1F1B.
-- torch >= 2.15: torch's own ``PipelineStage`` over fsdp2 modules under
-  ``fsdp2.patch_torch()`` (its manual, async backward finalization), held to
-  the same bar: GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV, and
-  1F1B in mixed precision.
+- torch's own ``PipelineStage`` over fsdp2 modules under
+  ``fsdp2.patch_torch()``, held to the same bar: GPipe, 1F1B,
+  Interleaved1F1B, ZBVZeroBubble, DualPipeV, and 1F1B in mixed precision
+  (torch 2.15: its manual, async backward finalization; before: upstream's
+  private state names, read through ``fully_shard.state(module)``).
 - ``FSDPModule.finish_backward`` on its own (fsdp2 only).
 
 Collectives are counted by wrapping the ``torch.distributed`` functions
@@ -45,7 +46,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp2.pipelining
-from fsdp2.versions import PIPELINING_USES_PUBLIC_FSDP_API
 
 D = 9  # odd: dp shards are uneven
 MICROBATCHES = 4
@@ -147,8 +147,8 @@ def _train_pipeline(schedule, shard, stage_cls, mesh, mp=False, reshard_after_fo
 def _parity_case(schedule, mp=False, reshard_after_forward=None, ours_stage=None, patched=False):
     """Ours (or, with ``ours_stage``, that stage class over ours) against upstream's run.
 
-    ``patched``: torch's own stage over ours under ``fsdp2.patch_torch()``
-    (torch >= 2.15), held to the same bar as ``fsdp2.pipelining``.
+    ``patched``: torch's own stage over ours under ``fsdp2.patch_torch()``,
+    held to the same bar as ``fsdp2.pipelining``.
     """
 
     def case(rank, world_size):
@@ -241,7 +241,7 @@ CASES_4 |= {
 if IMPL == "fsdp2":
     CASES_4["finish_backward"] = _finish_backward_case
 PATCHED = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-if IMPL == "fsdp2" and PIPELINING_USES_PUBLIC_FSDP_API:
+if IMPL == "fsdp2":
     CASES_4 |= {f"{name}/patched": _parity_case(name, patched=True) for name in PATCHED}
     CASES_4["1F1B/patched/mp"] = _parity_case("1F1B", mp=True, patched=True)
 CASES_8 = {"1F1B": _parity_case("1F1B")}
@@ -277,13 +277,9 @@ def test_with_tensor_parallel(launch_cases):
 
 
 @fsdp2_only
-@pytest.mark.skipif(
-    not PIPELINING_USES_PUBLIC_FSDP_API,
-    reason="torch's pipelining reads upstream's private FSDP state before torch 2.15",
-)
 @pytest.mark.parametrize("case", [*(f"{n}/patched" for n in PATCHED), "1F1B/patched/mp"])
 def test_torchs_own_stage_under_patch_torch(case, launch_cases):
-    """torch >= 2.15: torch's PipelineStage over fsdp2 under patch_torch(): bitwise, no more collectives."""
+    """torch's PipelineStage over fsdp2 under patch_torch(): bitwise, no more collectives."""
     check_case(launch_cases(4, CASES_4), case)
 
 

@@ -20,8 +20,6 @@ import threading
 import warnings
 from types import ModuleType, TracebackType
 
-from ..versions import PIPELINING_USES_PUBLIC_FSDP_API
-
 __all__ = ["PATCHED_MODULES", "PATCHED_NAMES", "TorchPatch", "patch_torch"]
 
 #: The public names of upstream's FSDP2 API that fsdp2 provides.
@@ -66,11 +64,12 @@ def _replacements() -> dict[str, object]:
     return {"fully_shard": fully_shard, **found}
 
 
-#: torch's pipelining modules, which bind ``FSDPModule`` at import and, from torch
-#: 2.15, drive FSDP stages through its public methods only: patched too (when
-#: already imported; imported later, they bind the patched names themselves), so
-#: torch's own ``PipelineStage`` and schedules treat fsdp2's modules as upstream's.
-#: Before 2.15 they reach into upstream's private state: ``fsdp2.pipelining`` instead.
+#: torch's pipelining modules, which bind ``FSDPModule`` and ``fully_shard`` at import:
+#: patched too (when already imported; imported later, they bind the patched names
+#: themselves), so torch's own ``PipelineStage`` and schedules treat fsdp2's modules as
+#: upstream's. From torch 2.15 they drive FSDP stages through public methods only;
+#: before, they also read upstream's private state through ``fully_shard.state(module)``,
+#: which fsdp2's state answers under upstream's names (``FSDPState._state_ctx`` ...).
 PIPELINING_MODULES: tuple[str, ...] = (
     "torch.distributed.pipelining.stage",
     "torch.distributed.pipelining.schedules",
@@ -84,8 +83,7 @@ def _modules() -> list[ModuleType]:
             modules.append(importlib.import_module(name))
         except ImportError:  # an older or newer torch without this alias
             continue
-    if PIPELINING_USES_PUBLIC_FSDP_API:
-        modules.extend(sys.modules[name] for name in PIPELINING_MODULES if name in sys.modules)
+    modules.extend(sys.modules[name] for name in PIPELINING_MODULES if name in sys.modules)
     return modules
 
 
@@ -167,10 +165,12 @@ def patch_torch() -> TorchPatch:
     ``share_comm_ctx`` and ``GradientReductionHandle`` in
     ``torch.distributed.fsdp``, in the legacy
     ``torch.distributed._composable.fsdp`` and in its ``fully_shard``
-    submodule (in each, only the names it binds), to fsdp2's objects; from
-    torch 2.15 also in ``torch.distributed.pipelining``'s ``stage`` and
-    ``schedules`` modules, so torch's own ``PipelineStage`` drives fsdp2
-    stages as it drives upstream's. FSDP1's classes keep torch's objects.
+    submodule (in each, only the names it binds), to fsdp2's objects; also in
+    ``torch.distributed.pipelining``'s ``stage`` and ``schedules`` modules, so
+    torch's own ``PipelineStage`` drives fsdp2 stages as it drives upstream's
+    (before torch 2.15 it reads upstream's private state through
+    ``fully_shard.state(module)``; fsdp2's state answers those names). FSDP1's
+    classes keep torch's objects.
 
     While patched, ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds
     for modules sharded by fsdp2 (the name is fsdp2's class), as code like

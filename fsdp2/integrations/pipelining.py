@@ -30,11 +30,15 @@ recognize upstream's class only; for fsdp2 modules they are skipped, and each
 forward gathers what it needs instead (see docs/pipelining.md, "Two things to know"
 section).
 
-From torch 2.15 torch's stage drives FSDP modules through public methods only
-(``set_manual_backward_finalization``, ``finalize_backward(async_op=True)``),
-so under ``fsdp2.patch_torch()`` torch's own ``PipelineStage`` and schedules
-(their ``UNSHARD`` / ``RESHARD`` actions too) recognize fsdp2's modules; this
-class then leaves them to torch and behaves exactly as torch's stage.
+Under ``fsdp2.patch_torch()`` torch's own ``PipelineStage`` and schedules
+(their ``UNSHARD`` / ``RESHARD`` actions too) recognize fsdp2's modules: from
+torch 2.15 they drive them through public methods only
+(``set_manual_backward_finalization``, ``finalize_backward(async_op=True)``);
+before, through upstream's private state (``fully_shard.state(module)``, its
+``_state_ctx.all_states``, each state's ``_fsdp_param_groups`` and the root's
+``_root_post_backward_final_callback``), which fsdp2's state answers under the
+same names. This class then leaves them to torch and behaves exactly as
+torch's stage.
 """
 
 from __future__ import annotations
@@ -89,9 +93,8 @@ class PipelineStage(_TorchPipelineStage):
 def _torch_drives(module: FSDPModule) -> bool:
     """Whether torch's own stage code treats ``module`` as its FSDP module.
 
-    From torch 2.15, under ``patch_torch()``, torch's pipelining recognizes
-    fsdp2's modules and drives them through their public methods (manual
-    backward finalization); this class then adds nothing.
+    Under ``patch_torch()`` torch's pipelining recognizes fsdp2's modules and
+    drives them itself; this class then adds nothing.
     """
     torch_fsdp_module = getattr(_torch_stage, "FSDPModule", None)
     return torch_fsdp_module is not None and isinstance(module, torch_fsdp_module)

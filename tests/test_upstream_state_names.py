@@ -1,0 +1,143 @@
+"""``fully_shard.state(module)`` and the private state names torch's own code reads.
+
+Upstream's ``fully_shard`` carries ``state(module)``, and torch 2.13's
+pipelining reduces a stage through what it returns (``_state_ctx.all_states``,
+each state's ``_fsdp_param_groups`` and their ``post_backward()``, the root's
+``_root_post_backward_final_callback()``); upstream's own tests read
+``_is_root``, ``_lazy_init()``, ``_fsdp_param_group._module_fqn`` and each
+parameter's ``_param_fqn``. fsdp2's state answers the same names with the
+same values, and lazy init's misuse errors match upstream's. Run on torch's
+threaded process group, as upstream's tests run, against whichever
+implementation ``FSDP2_TEST_IMPL`` selects (CI runs it on both).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from _impl import fully_shard
+from _multiproc import run_ranks
+from _threaded import run_threads
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    gen = torch.Generator().manual_seed(seed)  # thread ranks share the default RNG
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _model() -> nn.Sequential:
+    """Upstream's layout: FSDP(model(0: MLP(FSDP(in), FSDP(out)), 1: MLP(in, out)))."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    fully_shard(model[0][0])
+    fully_shard(model[0][2])
+    fully_shard(model)  # the root gets model[1]
+    return model
+
+
+def _names(rank, world_size):
+    model = _model()
+    assert fully_shard.state(nn.Linear(2, 2)) is None  # not sharded: no state
+    root = fully_shard.state(model)
+    first, second = fully_shard.state(model[0][0]), fully_shard.state(model[0][2])
+    root._lazy_init()
+    assert root._is_root and not first._is_root and not second._is_root
+    assert root._state_ctx.all_states == [root, first, second]
+    out = {}
+    for state in (root, first, second):
+        group = state._fsdp_param_group
+        assert state._fsdp_param_groups == [group]
+        out[group._module_fqn] = sorted(p._param_fqn for p in group.fsdp_params)
+    return out
+
+
+def _misuse(rank, world_size):
+    errors = []
+    model = _model()
+    fully_shard.state(model[0][0])._lazy_init()  # a sub-module first: the root then refuses
+    with pytest.raises(RuntimeError) as info:
+        fully_shard.state(model)._lazy_init()
+    errors.append(str(info.value).splitlines()[:2])
+    pair = nn.Sequential(_mlp(0), _mlp(1))
+    fully_shard([pair[0], pair[1]])
+    with pytest.raises(RuntimeError) as info:
+        fully_shard.state(pair[0])._lazy_init()
+    errors.append(str(info.value).split(" but got ")[0])
+    return errors
+
+
+def _reduce_through_private_names(rank, world_size):
+    """What torch 2.13's PipelineStage.perform_reduce_grad does after no-sync backwards,
+    on the implementation under test and on upstream's; and an ordinary synced run."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    for name, shard, manual in (("synced", fully_shard, False), ("manual", fully_shard, True),
+                                ("upstream", upstream_fully_shard, True)):
+        model = nn.Sequential(_mlp(0), _mlp(1))
+        for block in model:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [torch.randn(4, 8, generator=gen) for _ in range(2)]
+        if manual:
+            model.set_is_last_backward(False)
+            model.set_reshard_after_backward(False)
+            model.set_requires_gradient_sync(False)
+        for x in batches:
+            model(x).sum().backward()
+        if manual:
+            model.set_is_last_backward(True)
+            model.set_reshard_after_backward(True)
+            model.set_requires_gradient_sync(True)
+            state = shard.state(model)
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        results[name] = [p.grad.full_tensor() for p in model.parameters()]
+    return results
+
+
+def _on_threads(fn, world_size):
+    """``run_threads`` in a child process: autograd on thread ranks leaves the process
+    unable to fork ranks later (torch's CUDA builds), and later tests fork."""
+    return run_ranks(_threads, 1, fn, world_size)[0]
+
+
+def _threads(rank, world_size, fn, thread_ranks):
+    return run_threads(fn, thread_ranks)
+
+
+def test_state_names_match_upstream():
+    """fully_shard.state, _lazy_init, _is_root, _state_ctx.all_states, FQNs: upstream's values."""
+    for names in _on_threads(_names, 2):
+        assert names == {
+            "": ["1.0.bias", "1.0.weight", "1.2.bias", "1.2.weight"],
+            "0.0": ["0.0.bias", "0.0.weight"],
+            "0.2": ["0.2.bias", "0.2.weight"],
+        }
+
+
+def test_lazy_init_misuse_raises_upstreams_errors():
+    """A sub-module's lazy init before the root's, and a root of several modules: upstream's text."""
+    for errors in _on_threads(_misuse, 2):
+        assert errors == [
+            ["FSDP state has already been lazily initialized for 0.0",
+             "FSDP requires running forward through the root module first"],
+            "FSDP requires a single root module",
+        ]
+
+
+def test_reducing_through_the_private_names_as_torch_pipelining_does():
+    """Backwards without sync, then each group's post_backward and the root's final callback:
+    upstream's gradients bit for bit (a synced step's up to the order of the sums)."""
+    for grads in _on_threads(_reduce_through_private_names, 2):
+        for ours, theirs, synced in zip(grads["manual"], grads["upstream"], grads["synced"]):
+            assert torch.equal(ours, theirs)
+            torch.testing.assert_close(ours, synced)
