@@ -45,6 +45,7 @@ def _names(rank, world_size):
     model = _model()
     assert fully_shard.state(nn.Linear(2, 2)) is None  # not sharded: no state
     root = fully_shard.state(model)
+    assert model._get_fsdp_state() is root  # FSDPModule's private accessor: the same object
     first, second = fully_shard.state(model[0][0]), fully_shard.state(model[0][2])
     root._lazy_init()
     assert root._is_root and not first._is_root and not second._is_root
