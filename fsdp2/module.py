@@ -242,6 +242,14 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.set_unshard_in_backward(unshard_in_backward)
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Upstream's private switch (recursive): with ``True`` the hooks' and prefetches'
+        all-gathers run on the current stream as async collectives instead of on FSDP's
+        all-gather streams (no inter-stream fragmentation; overlap needs explicit
+        prefetching). The same values either way."""
+        for group in self._groups(recurse=True):
+            group.set_unshard_async_op(bool(async_op))  # upstream takes any truthy value
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step (default ``True``).
 

@@ -48,7 +48,7 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
            post_optim_event=False, mesh=None, hook_stream=False, finalize_async=False,
            checkpointed=False, muon=False, compiled=False, custom_all_gather=False,
            keep_storage=False, max_input_buffers=1, replica_slices=False, row_hooks=False,
-           **kwargs):
+           unshard_async_op=False, **kwargs):
     """Train a Chain under the checker; returns its errors (and checks parity with no edge skipped)."""
     ref, model = make_pair(build_chain)
     if compiled:  # one block compiled, as tests/test_compile.py does
@@ -73,6 +73,8 @@ def _checked_run(rank, world_size, edge=None, *, check_ref=True, accumulate=Fals
         model.set_manual_backward_finalization(True)
     if max_input_buffers != 1:  # reductions in flight at once (read at lazy init)
         model.set_reduce_scatter_max_input_buffers(max_input_buffers)
+    if unshard_async_op:  # upstream's private switch: gathers on the compute stream, async
+        model._set_unshard_async_op(True)
     if keep_storage:  # every unshard writes the memory the last step's compute read
         model.set_keep_unsharded_storage(True)
     if prefetch:
@@ -222,6 +224,7 @@ MATRIX = {
     "compiled_block": _case(compiled=True),
     "custom_all_gather": _case(custom_all_gather=True),
     "keep_storage": _case(keep_storage=True),
+    "unshard_async_op": _case(unshard_async_op=True, prefetch=True),
     "max_input_buffers_2": _case(max_input_buffers=2),
     "max_input_buffers_3_offload": _case(max_input_buffers=3, offload_policy=CPUOffloadPolicy()),
     # the parameter-major layout (docs/layouts.md): gathered into the parameters, no copy-out

@@ -26,6 +26,9 @@ class UnshardSettings:
     reshard_after_forward: bool
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True  # False: backward reads no parameter (e.g. an embedding)
+    # True: hooks and prefetches gather on the current stream as async collectives, as
+    # upstream's FSDPModule._set_unshard_async_op (no all-gather streams)
+    unshard_async_op: bool = False
     # Set by FSDPModule.set_custom_all_gather, or to a built-in comm (see
     # [Note: Communication memory] in comm_memory.py).
     all_gather_comm: AllGather | None = None

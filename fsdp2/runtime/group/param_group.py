@@ -140,6 +140,15 @@ class FSDPParamGroup:
     def set_unshard_in_backward(self, enabled: bool) -> None:
         self.settings = replace(self.settings, unshard_in_backward=enabled)
 
+    def set_unshard_async_op(self, enabled: bool) -> None:
+        self.settings = replace(self.settings, unshard_async_op=enabled)
+
+    def _unshard_for_use(self, prefetch: bool = False) -> None:
+        """The hooks' unshard: on the all-gather streams, or (``unshard_async_op``) as an
+        async collective on the current stream; a prefetch is always async."""
+        on_current = self.settings.unshard_async_op
+        self.unshard(async_op=prefetch or on_current, on_comm_streams=not on_current)
+
     def set_all_gather_comm(self, comm: staged_collectives.AllGather | None) -> None:
         """A custom or built-in all-gather comm; ``None``: the default collective."""
         self.settings = replace(self.settings, all_gather_comm=comm)
@@ -477,7 +486,7 @@ class FSDPParamGroup:
         logger.debug("pre_forward %s", self.module_fqn)
         self.step.training_state = TrainingState.FORWARD
         with record_function("FSDP::pre_forward", self.module_fqn, pg=self.range_pg):
-            self.unshard(on_comm_streams=True)
+            self._unshard_for_use()
             self.wait_for_unshard()
 
     def post_forward(self) -> None:
@@ -507,7 +516,7 @@ class FSDPParamGroup:
         self.step.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
             with record_function("FSDP::pre_backward", self.module_fqn, pg=self.range_pg):
-                self.unshard(on_comm_streams=True)
+                self._unshard_for_use()
                 self.wait_for_unshard()
         self.reduction.set_grad_dtypes(defer=True)
         if default_prefetch:  # See [Note: Default backward prefetch] in backward_prefetch.py
@@ -526,7 +535,7 @@ class FSDPParamGroup:
             return
         name = "FSDP::backward_prefetch" if in_backward else "FSDP::forward_prefetch"
         with record_function(name, self.module_fqn):
-            self.unshard(async_op=True, on_comm_streams=True)
+            self._unshard_for_use(prefetch=True)
 
     def record_module_run(self, module: nn.Module, starts_use: bool) -> set[nn.Module] | None:
         """Note that ``module`` runs in this use; returns the use's modules (groups of several)."""

@@ -1,14 +1,18 @@
-"""``fully_shard.state(module)`` and the private state names torch's own code reads.
+"""Upstream's private API that torch's own code, its tests and libraries use.
 
-Upstream's ``fully_shard`` carries ``state(module)``, and torch 2.13's
+``FSDPModule._set_unshard_async_op`` (Unsloth's FSDP2 recipes, upstream's
+training tests): the hooks' all-gathers as async collectives on the current
+stream, with the same values. Upstream's ``fully_shard`` carries
+``state(module)`` (and ``FSDPModule._get_fsdp_state()``), and torch 2.13's
 pipelining reduces a stage through what it returns (``_state_ctx.all_states``,
 each state's ``_fsdp_param_groups`` and their ``post_backward()``, the root's
 ``_root_post_backward_final_callback()``); upstream's own tests read
 ``_is_root``, ``_lazy_init()``, ``_fsdp_param_group._module_fqn`` and each
 parameter's ``_param_fqn``. fsdp2's state answers the same names with the
 same values, and lazy init's misuse errors match upstream's. Run on torch's
-threaded process group, as upstream's tests run, against whichever
-implementation ``FSDP2_TEST_IMPL`` selects (CI runs it on both).
+threaded process group, as upstream's tests run (and ``_set_unshard_async_op``
+on process ranks), against whichever implementation ``FSDP2_TEST_IMPL``
+selects (CI runs it on both).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn as nn
 from _impl import fully_shard
 from _multiproc import run_ranks
 from _threaded import run_threads
+from checks import on_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 
@@ -142,3 +147,40 @@ def test_reducing_through_the_private_names_as_torch_pipelining_does():
         for ours, theirs, synced in zip(grads["manual"], grads["upstream"], grads["synced"]):
             assert torch.equal(ours, theirs)
             torch.testing.assert_close(ours, synced)
+
+
+def _async_unshard(rank, world_size):
+    """Two blocks and a root, Adam, 3 steps: with the switch and without, on the
+    implementation under test and on upstream's; and how the hooks' all-gathers ran."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for name, shard, switch in (("plain", fully_shard, False), ("async", fully_shard, True),
+                                ("upstream", upstream_fully_shard, True)):
+        model = nn.Sequential(_mlp(0), _mlp(1))
+        for block in model:
+            shard(block, mesh=mesh, reshard_after_forward=True)
+        shard(model, mesh=mesh)
+        if switch:
+            model._set_unshard_async_op(True)  # recursive, as upstream
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(rank)
+        calls = []
+        with on_collectives(lambda kind, args, kwargs, log=calls: log.append(
+                (kind, kwargs.get("async_op", False)))):
+            for _ in range(3):
+                model(torch.randn(4, 8, generator=gen)).sum().backward()
+                optim.step()
+                optim.zero_grad()
+        out[name] = ([p.full_tensor() for p in model.parameters()],
+                     sorted({a for kind, a in calls if kind == "all_gather"}))
+    return out
+
+
+def test_unshard_async_op_gathers_async_with_the_same_values():
+    """_set_unshard_async_op(True): every hook all-gather async, parameters unchanged bit for bit
+    (and upstream's with the same switch)."""
+    for out in run_ranks(_async_unshard, 2):
+        (plain, plain_modes), (ours, modes), (theirs, _) = out["plain"], out["async"], out["upstream"]
+        assert False in plain_modes and modes == [True], (plain_modes, modes)  # no sync gather
+        for a, b, c in zip(plain, ours, theirs):
+            assert torch.equal(a, b) and torch.equal(b, c)
