@@ -41,7 +41,7 @@ from .runtime.meshes.mesh import (
     post_forward_mesh_info,
     spmd_mesh_for,
 )
-from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh
+from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh, split_by_dtype
 from .runtime.storage.extensions import needs_own_shard
 from .runtime.storage.param import FSDPParam
 from .runtime.storage.ragged_rows import plan_rows
@@ -179,6 +179,7 @@ def fully_shard(
     params, owners, names = _managed_params(modules, ignored)
     # See [Note: Per-parameter meshes] in runtime/meshes/param_meshes.py
     mesh_groups = group_by_mesh(params, names, shard_placement_fn, mesh_info, spmd)
+    mesh_groups = split_by_dtype(mesh_groups)  # parameter-major groups are of one dtype
     _move_buffers(modules, ignored, device)
     comm_ctx = CommContext()  # this call's, until a root's lazy init shares the root's
     groups = [
@@ -306,8 +307,6 @@ def _ragged_rows(
     refusal = None
     if on_spmd_mesh:
         refusal = "dp_mesh_dims meshes"
-    elif len({p.dtype for p in params}) > 1:
-        refusal = f"parameters of several dtypes ({sorted({str(p.dtype) for p in params})})"
     if refusal is None:
         bad = next((p for p in params if isinstance(p, DTensor) or p.dim() == 0
                     or needs_own_shard(p)), None)

@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ._torch_compat import (
     ShardWithOwnRows,
     dtensor_spec,
+    gather_rows_on_mesh_dim,
     is_dtensor_spec,
     is_strided_shard,
     op_schema_like,
@@ -79,15 +80,9 @@ class RaggedShardBase(ShardWithOwnRows):
         return shards, pads
 
     def gathered(self, local: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
-        import torch.distributed._functional_collectives as funcol
-
         sizes = self._sizes()
         most = max(sizes)
-        gathered = funcol.all_gather_tensor(
-            self._padded(local, most).contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
-        )
-        if hasattr(gathered, "wait"):
-            gathered = gathered.wait()
+        gathered = gather_rows_on_mesh_dim(self._padded(local, most).contiguous(), mesh, mesh_dim)
         blocks = gathered.split(most, dim=self.dim)
         return torch.cat([b.narrow(self.dim, 0, s) for b, s in zip(blocks, sizes)], self.dim)
 

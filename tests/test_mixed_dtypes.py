@@ -4,7 +4,10 @@ Each block's group mixes trainable fp32 parameters with frozen bf16, float64
 and int8 ones, as a LoRA model over a frozen low-precision or quantized base
 does. Upstream gathers such a group in one all-gather on bytes and returns
 every parameter in its own dtype; only the trainable (uniform-dtype)
-parameters' gradients are reduced.
+parameters' gradients are reduced. On the parameter-major layout
+(``RaggedShard``) the call makes one group per dtype ([Note: Parameter-major
+groups of several dtypes] in fsdp2/runtime/meshes/param_meshes.py): the same
+training, bit for bit the dim-0 layout's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from models import (
     sharded_state_dict_from,
 )
 from torch.distributed.tensor import DTensor
+
+from fsdp2 import RaggedShard
 
 
 class MixedBlock(nn.Module):
@@ -249,3 +254,41 @@ def _unfrozen_messages_body(rank, world_size):
 def test_mixed_trainable_dtypes_messages():
     """fsdp2's ValueErrors name the params, dtypes and fix, at lazy init and after it (upstream: AssertionError)."""
     run_ranks(_unfrozen_messages_body, 1)
+
+
+def _ragged_body(rank, world_size):
+    """RaggedShard on every parameter: one group per dtype, the reference's training, dim-0's
+    bits; frozen groups gather but never reduce; a hook names the call's mesh."""
+    ref, dim0 = _make_sharded()
+    _, model = _make_sharded(shard_placement_fn=lambda p: RaggedShard())
+    state = model.blocks[0]._get_fsdp_state()
+    dtypes = [g.fsdp_params[0].sharded_param.dtype for g in state._fsdp_param_groups]
+    # in the order of each dtype's first parameter (the block's own first: scale, codes)
+    assert dtypes == [torch.float64, torch.int8, torch.float32, torch.bfloat16], dtypes
+    hooked = []
+    model.blocks[0].set_all_reduce_hook(hooked.append)  # one mesh: not ambiguous
+    batches = [mlp_batch(step, 2 * world_size) for step in range(3)]
+    ref_losses, losses, logs = train_steps(ref, model, batches, _loss, rank, world_size,
+                                           record=log_collectives)
+    assert_losses_match(ref_losses, losses)
+    assert_params_match(ref, model, RTOL, ATOL)
+    assert len(hooked) == 3, len(hooked)  # the fp32 group's reduction, once a step
+    _, dim0_losses, dim0_logs = train_steps(None, dim0, batches, _loss, rank, world_size,
+                                            record=log_collectives)
+    reductions = [[n for kind, n, *_ in log if kind == "reduce_scatter"] for log in logs]
+    assert len(reductions[0]) == len([n for kind, n, *_ in dim0_logs[0]
+                                      if kind == "reduce_scatter"]), reductions  # fp32 only
+    for (name, p), q in zip(model.named_parameters(), dim0.parameters()):
+        assert p.dtype == q.dtype, name
+        # the same sums in the same rank order, elementwise AdamW: dim-0's bits
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+        if not p.requires_grad:
+            assert p.grad is None, name
+    assert losses == dim0_losses
+
+
+@fsdp2_only
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ragged_layout_splits_a_call_by_dtype(world_size):
+    """RaggedShard over fp32 + frozen bf16/float64/int8 parameters trains like the dim-0 group."""
+    run_ranks(_ragged_body, world_size)

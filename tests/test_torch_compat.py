@@ -33,6 +33,7 @@ PRIVATE_SYMBOLS = [
     ("torch.autograd", "_profiler_enabled"),
     ("torch", "_foreach_mul_"),
     ("torch", "_foreach_norm"),
+    ("torch.distributed._functional_collectives", "all_gather_single"),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch.distributed.device_mesh", "DeviceMesh._get_root_mesh"),
     ("torch.distributed.tensor.placement_types", "_StridedShard"),

@@ -47,6 +47,7 @@ from .dtensor import (  # noqa: F401 (re-exported: the one place to import them 
     dtensor_spec,
     dtensor_state_like,
     flatten_mesh,
+    gather_rows_on_mesh_dim,
     is_dtensor_spec,
     is_strided_shard,
     local_tensor,

@@ -284,6 +284,17 @@ def transform_info(mesh_dim: int, src_dst: tuple, logical_shape: list[int]) -> A
     return _redistribute._TransformInfo(mesh_dim, src_dst, logical_shape)
 
 
+def gather_rows_on_mesh_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """``tensor`` concatenated on dim 0 over ``mesh``'s dim ``mesh_dim``, as DTensor's own
+    redistribution gathers (functional collectives, private: ``all_gather_single`` from
+    torch 2.13, whose ``all_gather_tensor`` then warns it is deprecated; before, the latter)."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    gathered = gather(tensor, 0, (mesh, mesh_dim))
+    return gathered.wait() if hasattr(gathered, "wait") else gathered
+
+
 _LOCAL_CACHE_KEYS_INSTALLED = False
 
 

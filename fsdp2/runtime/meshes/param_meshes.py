@@ -20,6 +20,18 @@ call's own mesh (``None`` or a plain ``Shard``) counts as an object of its
 own, so mixing it with a result over the same groups is refused, as upstream.
 Unlike upstream, ``shard_placement_fn`` is called once per parameter (upstream
 calls it twice).
+
+[Note: Parameter-major groups of several dtypes]
+A dim-0 group of several dtypes is one flat buffer of bytes (see [Note:
+Mixed-dtype groups] in flat_shard.py). A parameter-major group is planned in
+elements of one dtype (its parameters sit whole at the plan's starts and
+view the all-gather output), so a ``RaggedShard`` call whose parameters have
+several dtypes makes one group per dtype on the same meshes (``split_by_dtype``),
+in the order of each dtype's first parameter: one all-gather per dtype and
+use, each group's rows planned and reduced in its own dtype (a LoRA block's
+frozen bf16 base and fp32 adapters: the base is gathered, never reduced).
+Settings that name the call's mesh (hooks, custom comms) apply to all of
+them: ``check_one_group`` counts meshes, not groups.
 """
 
 from __future__ import annotations
@@ -89,6 +101,25 @@ def group_by_mesh(
         group.params.append(p)
         group.placements[p] = placement
     return [group for _, group in groups.values()]
+
+
+def split_by_dtype(mesh_groups: list[MeshGroup]) -> list[MeshGroup]:
+    """Each all-``RaggedShard`` group of several dtypes as one group per dtype; see
+    [Note: Parameter-major groups of several dtypes]."""
+    out: list[MeshGroup] = []
+    for group in mesh_groups:
+        ragged = all(isinstance(group.placements[p], RaggedShard) for p in group.params)
+        if not ragged or len({p.dtype for p in group.params}) < 2:
+            out.append(group)
+            continue
+        by_dtype: dict[Any, MeshGroup] = {}
+        for p in group.params:
+            if p.dtype not in by_dtype:
+                by_dtype[p.dtype] = MeshGroup(group.mesh_info, group.spmd, group.is_default)
+            by_dtype[p.dtype].params.append(p)
+            by_dtype[p.dtype].placements[p] = group.placements[p]
+        out.extend(by_dtype.values())
+    return out
 
 
 def _resolve(result: Any, name: str) -> tuple[Shard | None, object]:
@@ -177,8 +208,9 @@ def _describe(source: object, mesh_info: FSDPMeshInfo, spmd: SpmdDims | None) ->
 
 
 def check_one_group(groups: list[Any], method: str, what: str) -> None:
-    """Upstream's refusal of a per-module setting (``what``) for a call that made several groups."""
-    if len(groups) > 1:
+    """Upstream's refusal of a per-module setting (``what``) for a call that made groups on
+    several meshes (not one per dtype: [Note: Parameter-major groups of several dtypes])."""
+    if len({id(g.mesh_info) for g in groups}) > 1:
         fqns = ", ".join(repr(g.module_fqn) for g in groups if g.module_fqn) or "this module"
         raise ValueError(
             f"{method} is not supported with multiple param groups (from per-param mesh via "
