@@ -10,7 +10,10 @@ DCP's ``get_state_dict`` / ``set_state_dict``, a DCP checkpoint on disk),
 references held to state dicts and to state tensors, ``add_param_group``,
 hyperparameter edits, freezing, scheduler steps; a quarter of the sequences
 run every collective through custom comms (``set_custom_all_gather`` and
-``set_custom_reduce_scatter``, on both sides). After **every** call it
+``set_custom_reduce_scatter``, on both sides), and a quarter, drawn apart,
+gather with upstream's ``_set_unshard_async_op(True)``; a ``setting`` puts both
+sides on an HSDP mesh, in bf16 mixed precision or without resharding after
+forward. After **every** call it
 compares what a user can observe: the parameters and their gradients to the
 bit, the optimizer's param groups and state (keys, order, types, values),
 the values behind every reference held so far, and whether (and with which
@@ -46,9 +49,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2.versions import TORCH_RELEASE
 
 # (class, the flags it may take: name -> choices). The elementwise optimizers the
 # flat step takes by default, with the flags each accepts on CPU.
@@ -119,10 +124,11 @@ def _pick_optimizer(rng: random.Random, name: str | None) -> tuple[str, dict]:
 WEIGHTS = {"AdamW": 3, "Adam": 2, "SGD": 3}  # else 1
 
 
-def _build(shard, mesh, name: str, kwargs: dict, ragged: bool) -> Side:
+def _build(shard, mesh, name: str, kwargs: dict, ragged: bool, extra: dict) -> Side:
     # odd sizes: shards of every length, so a kernel's vector loop and scalar tail both show
     model = build_transformer(seed=5, dim=12, hidden=37, vocab=29)
-    extra = {"shard_placement_fn": lambda p: fsdp2.RaggedShard()} if ragged else {}
+    if ragged:
+        extra = {**extra, "shard_placement_fn": lambda p: fsdp2.RaggedShard()}
     shard_transformer(model, shard, mesh=mesh, **extra)
     matrices = [p for n, p in model.named_parameters() if p.dim() > 1 and "output" not in n]
     rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
@@ -137,7 +143,8 @@ class Sequence:
     """One seeded sequence of calls on the two sides (see the module docstring)."""
 
     def __init__(self, seed: int, rank: int, world_size: int, *, ragged: bool, length: int,
-                 optimizer: str | None = None, tier: str | None = None):
+                 optimizer: str | None = None, tier: str | None = None,
+                 setting: str | None = None):
         self.rng = random.Random(seed)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.ragged, self.length = ragged, length
@@ -148,12 +155,23 @@ class Sequence:
             # loop or scalar tail), and a rank's rows are not Shard(0)'s: last bits differ
             # (docs/layouts.md). The zoo holds the fused step to torch's on the same rows.
             self.kwargs["fused"] = None
-        mesh = cpu_mesh()
-        from torch.distributed.fsdp import fully_shard as upstream_fully_shard
+        import torch.distributed.fsdp as upstream
 
+        mesh, ours, theirs = cpu_mesh(), {}, {}
+        if setting == "hsdp":  # (replicate, shard) = (2, W / 2)
+            mesh = init_device_mesh("cpu", (2, world_size // 2),
+                                    mesh_dim_names=("replicate", "shard"))
+        elif setting == "mixed_precision":  # bf16 gathers and compute, fp32 reduction
+            mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+            ours = {"mp_policy": fsdp2.MixedPrecisionPolicy(**mp)}
+            theirs = {"mp_policy": upstream.MixedPrecisionPolicy(**mp)}
+        elif setting == "no_reshard":
+            ours = theirs = {"reshard_after_forward": False}
+        elif setting is not None:
+            raise ValueError(f"unknown setting {setting!r}")
         self.sides = [
-            _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged),
-            _build(upstream_fully_shard, mesh, self.name, self.kwargs, False),
+            _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged, ours),
+            _build(upstream.fully_shard, mesh, self.name, self.kwargs, False, theirs),
         ]
         # Drawn apart from the calls' stream, so that a seed's calls stay what they were.
         self.comms = random.Random(f"custom comms {seed}").random() < 0.25
@@ -163,6 +181,11 @@ class Sequence:
                     if hasattr(module, "set_custom_all_gather"):
                         module.set_custom_all_gather(TorchAllGather())
                         module.set_custom_reduce_scatter(TorchReduceScatter())
+        # upstream's private switch (Unsloth's recipes set it): hooks gather async
+        self.async_unshard = random.Random(f"unshard async {seed}").random() < 0.25
+        if self.async_unshard:
+            for side in self.sides:
+                side.model._set_unshard_async_op(True)
         self.tier = tier
         if tier is not None:  # fsdp2's optimizer state tiers (upstream has none: its own step)
             self._folder = tempfile.TemporaryDirectory()
@@ -173,7 +196,9 @@ class Sequence:
         self.log: list[str] = [f"seed {seed}: {self.name}({self.kwargs}), W={world_size}"
                                + (", RaggedShard" if ragged else "")
                                + (", custom comms" if self.comms else "")
-                               + (f", offload={tier}" if tier else "")]
+                               + (", async unshard" if self.async_unshard else "")
+                               + (f", offload={tier}" if tier else "")
+                               + (f", {setting}" if setting else "")]
 
     # ---- the calls ------------------------------------------------------------------
 
@@ -194,6 +219,9 @@ class Sequence:
                     self.log[-1] += " (refused, as docs/optimizers.md says)"
                     outcomes.append(outcomes[0])  # upstream does not take the call
                     break
+            if outcomes[0] is None and _upstream_bug(outcomes[1]):
+                self.log[-1] += " (upstream's bug, docs/differences.md: the sides part here)"
+                return None
             problems = []
             if type(outcomes[0]) is not type(outcomes[1]):
                 problems.append(f"raised {outcomes[0]!r} vs upstream {outcomes[1]!r}")
@@ -448,13 +476,23 @@ def _documented_refusal(error: Exception | None) -> bool:
     )) or (isinstance(error, NotImplementedError) and "call optimizer.step() uncompiled" in text)
 
 
+def _upstream_bug(error: Exception | None) -> bool:
+    """An upstream failure fsdp2 does not share (docs/differences.md): torch 2.13's
+    ``fully_shard`` under mixed precision refuses the bf16 gradient of a parameter
+    unfrozen after a backward that ran with it frozen (fixed in torch 2.15)."""
+    return (isinstance(error, RuntimeError) and TORCH_RELEASE < (2, 15)
+            and "to a tensor with grad_dtype" in str(error))
+
+
 def run_sequence(seed: int, rank: int, world_size: int, *, ragged: bool = False,
                  length: int = 16, optimizer: str | None = None,
-                 tier: str | None = None) -> str | None:
+                 tier: str | None = None, setting: str | None = None) -> str | None:
     """One seeded sequence on fsdp2 and upstream; ``None`` or the first divergence's report.
 
     ``optimizer``: a name of ``OPTIMIZERS`` (its flags still random), else drawn too;
-    ``tier``: fsdp2's optimizer state offloaded (``"host"`` or ``"nvme"``).
+    ``tier``: fsdp2's optimizer state offloaded (``"host"`` or ``"nvme"``); ``setting``:
+    both sides on an HSDP mesh (``"hsdp"``, W = 4), in bf16 mixed precision
+    (``"mixed_precision"``) or with ``reshard_after_forward=False`` (``"no_reshard"``).
     """
     return Sequence(seed, rank, world_size, ragged=ragged, length=length,
-                    optimizer=optimizer, tier=tier).run()
+                    optimizer=optimizer, tier=tier, setting=setting).run()

@@ -44,15 +44,18 @@ def _sequences(ci_seeds: int, **options):
 
 
 # (world size, cases): dim-0 groups at W=2 and 3 (uneven and empty shards), parameter-major
-# groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers.
+# groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers,
+# bf16 mixed precision, and HSDP (2 x 2) at W=4.
 CASES = {
     2: {
         "dim0": _sequences(4),
         "ragged": _sequences(2, ragged=True),
         "host-tier": _sequences(1, tier="host"),
         "nvme-tier": _sequences(1, tier="nvme"),
+        "mixed-precision": _sequences(1, setting="mixed_precision"),
     },
     3: {"dim0": _sequences(2)},
+    4: {"hsdp": _sequences(1, setting="hsdp")},
 }
 
 

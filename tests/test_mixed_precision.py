@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _impl import MixedPrecisionPolicy, fsdp2_only, fully_shard
+from _impl import IMPL, MixedPrecisionPolicy, fsdp2_only, fully_shard
 from _multiproc import run_ranks
 from checks import TENSOR_COLLECTIVES, check_case, on_collectives, run_cases
 from models import (
@@ -574,3 +574,34 @@ def _upstream_policy_body(rank, world_size):
 def test_upstream_policy_objects_accepted():
     """torch.distributed.fsdp.MixedPrecisionPolicy passed to fsdp2.fully_shard acts as ours."""
     run_ranks(_upstream_policy_body, 2)
+
+
+def _unfrozen_after_a_frozen_backward(rank, world_size):
+    """bf16 compute: a block frozen for one backward, then trainable again (fine-tuning that
+    unfreezes): its gradient is the second backward's alone, the rest add up both."""
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    batches = [rank_slice(transformer_batch(i, 2 * world_size), rank, world_size) for i in (0, 1)]
+    grads = []
+    for unfreeze in (True, False):
+        model = build_transformer(seed=23)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh(), mp_policy=policy)
+        block = model.layers[0]
+        if unfreeze:
+            block.requires_grad_(False)
+        transformer_loss(model, batches[0]).backward()
+        if unfreeze:
+            block.requires_grad_(True)
+        else:  # the same gradients by hand: the block's first one dropped
+            for p in block.parameters():
+                p.grad = None
+        transformer_loss(model, batches[1]).backward()
+        grads.append({n: full(p.grad) for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+
+
+@pytest.mark.skipif(IMPL == "torch" and not ACCUMULATE_IN_GRAD_DTYPE,
+                    reason="torch 2.13's fully_shard raises here (docs/differences.md)")
+def test_unfreezing_after_a_frozen_backward(world_size=2):
+    """Unfrozen after a backward that ran with it frozen: the gradients a plain loop gives."""
+    run_ranks(_unfrozen_after_a_frozen_backward, world_size)
