@@ -167,6 +167,12 @@ class Sequence:
             theirs = {"mp_policy": upstream.MixedPrecisionPolicy(**mp)}
         elif setting == "no_reshard":
             ours = theirs = {"reshard_after_forward": False}
+        elif setting == "cpu_offload":  # parameters, gradients and state in host memory
+            # (pinned memory needs an accelerator: a CPU mesh pins nothing)
+            ours = {"offload_policy": fsdp2.CPUOffloadPolicy(pin_memory=False)}
+            theirs = {"offload_policy": upstream.CPUOffloadPolicy(pin_memory=False)}
+        elif setting == "reshard_to_2":  # W = 4: kept over groups of 2 after forward
+            ours = theirs = {"reshard_after_forward": 2}
         elif setting is not None:
             raise ValueError(f"unknown setting {setting!r}")
         self.sides = [
@@ -492,7 +498,8 @@ def run_sequence(seed: int, rank: int, world_size: int, *, ragged: bool = False,
     ``optimizer``: a name of ``OPTIMIZERS`` (its flags still random), else drawn too;
     ``tier``: fsdp2's optimizer state offloaded (``"host"`` or ``"nvme"``); ``setting``:
     both sides on an HSDP mesh (``"hsdp"``, W = 4), in bf16 mixed precision
-    (``"mixed_precision"``) or with ``reshard_after_forward=False`` (``"no_reshard"``).
+    (``"mixed_precision"``), with ``reshard_after_forward=False`` (``"no_reshard"``) or
+    ``2`` (``"reshard_to_2"``, W = 4), or under ``CPUOffloadPolicy`` (``"cpu_offload"``).
     """
     return Sequence(seed, rank, world_size, ragged=ragged, length=length,
                     optimizer=optimizer, tier=tier, setting=setting).run()
