@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ._torch_compat import composable_apis, mark_composable_api
 from .api import (
@@ -44,7 +45,7 @@ from .runtime.meshes.mesh import (
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh, split_by_dtype
 from .runtime.storage.extensions import needs_own_shard
 from .runtime.storage.param import FSDPParam
-from .runtime.storage.ragged_rows import plan_rows
+from .runtime.storage.ragged_rows import RaggedRows, plan_rows
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -250,19 +251,28 @@ def _make_group(
         p: _shard_dim(p, names[p], mesh_info, device, mesh_group.placements[p], spmd is not None)
         for p in params
     }
-    rows = _ragged_rows(mesh_group, names, spmd is not None)
+    ragged = _ragged_rows(mesh_group, names)  # parameter -> (its rows, its RaggedShard)
     layouts: dict[nn.Parameter, SpmdLayout] = {}
     if spmd is not None:
         layouts = {
-            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p]) for p in params
+            p: spmd_layout(p, owners[p][0][1], names[p], spmd, shard_dims[p],
+                           ragged[p][1] if p in ragged else None)
+            for p in params
         }
         spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
     else:
         spmd_meshes = _spmd_meshes(params, mesh_info.mesh)
+        replicate = (Replicate(),) if mesh_info.is_hsdp else ()
+        layouts = {  # the dp dims' placements, then the TP mesh's (as _sharded_placements)
+            p: SpmdLayout(spmd_meshes.get(p, mesh_info.mesh),
+                          (*replicate, placement, *_tp_placements(p)), frozenset())
+            for p, (_, placement) in ragged.items()
+        }
     fsdp_params = [
         FSDPParam(
             p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
-            **_layout_kwargs(layouts.get(p)), **rows.get(p, {}),
+            **_layout_kwargs(layouts.get(p), spmd is not None),
+            rows=ragged[p][0] if p in ragged else None,
         )
         for p in params
     ]
@@ -282,15 +292,23 @@ def _make_group(
     )
 
 
+def _tp_placements(param: nn.Parameter) -> tuple[Placement, ...]:
+    return tuple(param.placements) if isinstance(param, DTensor) else ()
+
+
 def _ragged_rows(
-    mesh_group: MeshGroup,
-    names: dict[nn.Parameter, str],
-    on_spmd_mesh: bool,
-) -> dict[nn.Parameter, dict[str, Any]]:
+    mesh_group: MeshGroup, names: dict[nn.Parameter, str]
+) -> dict[nn.Parameter, tuple[RaggedRows, RaggedShard]]:
     """``RaggedShard`` results: each parameter's rows and placement, or what it cannot do yet.
 
     A group is parameter-major or dim-0 as a whole; see [Note: The
-    parameter-major layout] in runtime/storage/ragged.py.
+    parameter-major layout] in runtime/storage/ragged.py. A DTensor parameter
+    (tensor parallelism, a ``dp_mesh_dims`` mesh) is planned by its local rows,
+    as the dim-0 layout shards its local tensor; where a model-parallel dim
+    after the data-parallel one already splits dim 0 (``ColwiseParallel``)
+    the rows would lie within each of its shards, which DTensor names only
+    with its own strided placement: refused (see [Note: Model-parallel
+    parameters on the parameter-major layout] in runtime/storage/ragged.py).
     """
     params, mesh_info = mesh_group.params, mesh_group.mesh_info
     requests = {p: pl for p, pl in mesh_group.placements.items() if isinstance(pl, RaggedShard)}
@@ -305,32 +323,34 @@ def _ragged_rows(
                 "or dim-0 as a whole; return RaggedShard for every parameter of the call, or none"
             )
     refusal = None
-    if on_spmd_mesh:
-        refusal = "dp_mesh_dims meshes"
-    if refusal is None:
-        bad = next((p for p in params if isinstance(p, DTensor) or p.dim() == 0
-                    or needs_own_shard(p)), None)
-        if bad is not None:
-            refusal = ("tensor-parallel (DTensor), 0-d or tensor-subclass parameters with "
-                       f"all-gather hooks ('{names[bad]}': a subclass shards itself with "
-                       "torch.chunk's rows; hooks bound onto the local tensor after fully_shard "
-                       "work)")
+    bad = next((p for p in params if p.dim() == 0 or needs_own_shard(p)), None)
+    if bad is not None:
+        refusal = ("0-d or tensor-subclass parameters with all-gather hooks "
+                   f"('{names[bad]}': a subclass shards itself with torch.chunk's rows; "
+                   "hooks bound onto the local tensor after fully_shard work)")
+    split = next((p for p in params if mesh_group.spmd is None
+                  and any(_splits_rows(pl) for pl in _tp_placements(p))), None)
+    if refusal is None and split is not None:
+        refusal = (f"tensor-parallel parameters whose TP placements split dim 0 ('{names[split]}' "
+                   f"is {tuple(split.placements)}, e.g. ColwiseParallel's: its rows would lie "
+                   "within each TP shard)")
     if refusal is not None:
         raise FSDPNotImplementedError(
             f"RaggedShard for '{first}': the parameter-major layout does not support "
             f"{refusal} yet; return None from shard_placement_fn (the dim-0 layout) for "
             "this call"
         )
+    local_shapes = [p.to_local().shape if isinstance(p, DTensor) else p.shape for p in params]
     rows = plan_rows(
-        [p.shape for p in params], [requests[p].granularity for p in params],
+        local_shapes, [requests[p].granularity for p in params],
         mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank, [names[p] for p in params],
     )
-    replicate = (Replicate(),) if mesh_info.is_hsdp else ()
-    return {
-        p: {"rows": r,
-            "placements": (*replicate, RaggedShard(requests[p].granularity, r.row_bounds))}
-        for p, r in zip(params, rows)
-    }
+    return {p: (r, RaggedShard(requests[p].granularity, r.row_bounds)) for p, r in zip(params, rows)}
+
+
+def _splits_rows(placement: Placement) -> bool:
+    """Whether a model-parallel placement splits dim 0 (plain or strided)."""
+    return isinstance(placement, Shard) and placement.dim == 0
 
 
 def _no_deepcopy(self: nn.Module, memo: dict) -> Any:
@@ -500,9 +520,11 @@ def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Par
     return out
 
 
-def _layout_kwargs(layout: SpmdLayout | None) -> dict[str, Any]:
+def _layout_kwargs(layout: SpmdLayout | None, on_spmd_mesh: bool = True) -> dict[str, Any]:
     if layout is None:
         return {}
+    if not on_spmd_mesh:  # a parameter-major placement on the call's (and TP's) mesh
+        return {"placements": layout.placements}
     return {"placements": layout.placements, "dp_dims": layout.dp_dims}
 
 

@@ -368,11 +368,7 @@ def _refusals(rank, world_size):
     mixed = lambda p: RaggedShard() if p.dim() == 2 else None  # noqa: E731
     with pytest.raises(ValueError, match="one fully_shard call is parameter-major or dim-0"):
         fully_shard(model.layers[0], mesh=cpu_mesh(), shard_placement_fn=mixed)
-    if world_size == 4:
-        spmd = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
-            fully_shard(model.layers[0], mesh=spmd, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp"),
-                        shard_placement_fn=_ragged("rows"))
+    # model-parallel dims that split dim 0: tests/test_ragged_model_parallel.py
     with pytest.raises(ValueError, match=r"RaggedShard\(granularity=0\)"):
         RaggedShard(0)
     with pytest.raises(ValueError, match=r"a tile \(rows, cols\)"):

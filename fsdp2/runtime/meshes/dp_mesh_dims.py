@@ -41,6 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
 from ...api import DataParallelMeshDims
+from ...errors import FSDPNotImplementedError
 from .mesh import FSDPMeshInfo
 
 
@@ -155,9 +156,18 @@ def _own_group() -> dist.ProcessGroup:
 
 
 def spmd_layout(
-    param: nn.Parameter, attr: str, fqn: str, spmd: SpmdDims, shard_dim: int
+    param: nn.Parameter,
+    attr: str,
+    fqn: str,
+    spmd: SpmdDims,
+    shard_dim: int,
+    ragged: Placement | None = None,
 ) -> SpmdLayout:
-    """Check ``param`` against the SPMD mesh and lay out its sharded DTensor (see the Note)."""
+    """Check ``param`` against the SPMD mesh and lay out its sharded DTensor (see the Note).
+
+    ``ragged``: the parameter-major layout's placement for the shard dim, in place of
+    ``Shard(dim)``; refused where a model-parallel dim after it splits dim 0.
+    """
     if not isinstance(param, DTensor):
         raise ValueError(
             "When dp_mesh_dims is provided, all parameters must be "
@@ -190,7 +200,17 @@ def spmd_layout(
         split = math.prod(
             mesh.size(j) for j in range(idx + 1, mesh.ndim) if _splits(placements[j], shard_dim)
         )
-        new[idx] = strided_shard(shard_dim, split) if split > 1 else Shard(shard_dim)
+        if ragged is not None and split > 1:
+            raise FSDPNotImplementedError(
+                f"RaggedShard for '{fqn}': the parameter-major layout does not support "
+                f"model-parallel dims after the data-parallel one that split dim 0 yet "
+                f"({placements}: its rows would lie within each of their shards); return "
+                "None from shard_placement_fn (the dim-0 layout) for this call"
+            )
+        if ragged is not None:
+            new[idx] = ragged
+        else:
+            new[idx] = strided_shard(shard_dim, split) if split > 1 else Shard(shard_dim)
     dp_dims = frozenset(spmd.shard_indices + spmd.replicate_indices)
     if len(spmd.shard_indices) <= 1:
         return SpmdLayout(mesh, tuple(new), dp_dims)

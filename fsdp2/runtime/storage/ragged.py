@@ -20,6 +20,22 @@ dim-0 layout disappear (``ParamMajor``, the group's ``BufferOrder``: see
   as a tensor of its own, and accumulating into a pre-set view would be a
   zeroing and an add instead of one copy.
 
+[Note: Model-parallel parameters on the parameter-major layout]
+A tensor-parallel parameter (a DTensor on a tp mesh) or one on a
+``dp_mesh_dims`` mesh is planned by its *local* rows, as the dim-0 layout
+shards its local tensor: the group's buffer holds model-parallel shards
+whole, and the sharded DTensor lives on the (data-parallel, model-parallel)
+mesh with the ``RaggedShard`` on the data-parallel dim beside the
+parameter's own placements. DTensor applies a mesh's placements in mesh
+order, so the rows name global rows wherever no model-parallel dim *after*
+the data-parallel one splits dim 0 (columns split, ``Replicate``, or a dim
+before it): ``full_tensor()``, DCP's offsets and redistribution then need
+nothing new. Where one does (``ColwiseParallel``'s weights after ``dp``),
+the rows lie within each of its shards, which DTensor can only name with
+its own ``_StridedShard``: refused by name until the placement learns it.
+Loading a value of another layout takes this rank's model-parallel part of
+the full value first (``_model_parallel_local``, cut locally), then its rows.
+
 ``RaggedRows`` (ragged_rows.py) answers what ``ShardLayout`` answers for
 ``torch.chunk`` (local rows, local size, the slot size) so ``FSDPParam``
 reads either alike; this module, above ``FSDPParam``, orders and loads a
@@ -32,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...ragged_placement import RaggedShardBase
 from .buffer_order import BufferOrder
 from .ragged_rows import RaggedRows, same_placements
 
@@ -144,6 +161,19 @@ class ParamMajor(BufferOrder):
         ]
 
 
+def _model_parallel_local(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """``full``'s part on this rank's model-parallel dims (tensor parallelism, an SPMD
+    mesh): the tensor the plan's rows index; ``full`` itself without any."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    placements = [Replicate() if isinstance(pl, RaggedShardBase) else pl
+                  for pl in sharded.placements]
+    if all(pl.is_replicate() for pl in placements):
+        return full
+    # each rank cuts its own part (src_data_rank=None: nothing is sent)
+    return distribute_tensor(full, sharded.device_mesh, placements, src_data_rank=None).to_local()
+
+
 def load_rows(
     module: torch.nn.Module,
     fsdp_params: list[FSDPParam],
@@ -180,8 +210,9 @@ def load_rows(
             with torch.no_grad():
                 if isinstance(value, DTensor):
                     same = same_placements(value.placements, p.sharded_param.placements)
-                    rows = value.to_local() if same else p.layout.local_rows_of(value.full_tensor())
+                    rows = value.to_local() if same else p.layout.local_rows_of(
+                        _model_parallel_local(value.full_tensor(), p.sharded_param))
                 else:
-                    rows = p.layout.local_rows_of(value)
+                    rows = p.layout.local_rows_of(_model_parallel_local(value, p.sharded_param))
                 local.copy_(rows)
     return loaded
