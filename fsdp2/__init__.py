@@ -4,7 +4,10 @@ A drop-in for ``torch.distributed.fsdp.fully_shard``: change the import and
 keep the rest of the training script.
 """
 
-from . import api
+from . import (
+    api,
+    upstream_names,  # noqa: F401 (gives fsdp2's objects upstream's private names)
+)
 from .checkpoint.errors import CheckpointDamagedError, CheckpointError, CheckpointLockedError
 from .checkpoint.integrity import verify_checkpoint
 from .checkpoint.save_load import load_checkpoint, load_latest, save_checkpoint

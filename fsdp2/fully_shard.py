@@ -211,11 +211,6 @@ def fully_shard(
     return module
 
 
-# Upstream's ``fully_shard`` carries ``state(module)`` (its ``contract`` adds it): the
-# module's FSDP state, or None. torch's pipelining before 2.15 reads it.
-fully_shard.state = state_of  # type: ignore[attr-defined]
-
-
 def _groups_under(modules: tuple[nn.Module, ...]) -> list[FSDPParamGroup]:
     """Every group of the states on ``modules`` and their submodules, once, in module order."""
     seen: dict[int, FSDPParamGroup] = {}

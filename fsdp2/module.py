@@ -50,10 +50,6 @@ class FSDPModule:
             raise AssertionError(f"{type(self).__name__} is an FSDPModule without FSDP state")
         return state
 
-    def _get_fsdp_state(self) -> FSDPState:
-        """Upstream's private name for the module's state (libraries and torch's tests call it)."""
-        return self._fsdp_state()
-
     def _states(self, recurse: bool) -> list[FSDPState]:
         """This module's FSDP state and, with ``recurse``, those of FSDP modules below it."""
         if not recurse:

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("__init__", "pipelining"),  # the public surface: re-exports only
     ("plan",),  # the planner drives the library as a user would
     ("checkpoint", "optim", "fsdp1", "integrations", "quant"),  # tools on the public surface
+    ("upstream_names",),  # upstream's private names on the wrapping's and engine's objects
     ("fully_shard",),
     ("module",),  # FSDPModule, the control surface
     ("handles",),

@@ -60,6 +60,15 @@ def _names(rank, world_size):
         group = state._fsdp_param_group
         assert state._fsdp_param_groups == [group]
         out[group._module_fqn] = sorted(p._param_fqn for p in group.fsdp_params)
+    # which parameters the modules hold, as upstream's group says it (torchtitan's
+    # chunked-loss test of upstream reads is_unsharded around a toggled reshard)
+    group = first._fsdp_param_group
+    assert group.is_sharded and not group.is_unsharded and not group.is_sharded_post_forward
+    model[0][0].set_reshard_after_forward(False)
+    model(torch.zeros(2, 8))
+    assert group.is_unsharded and not group.is_sharded
+    model[0][0].reshard()
+    assert group.is_sharded and not group.is_unsharded
     return out
 
 

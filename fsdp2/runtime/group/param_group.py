@@ -171,10 +171,6 @@ class FSDPParamGroup:
             prefix = module_fqns.get(module, "")
             p.fqn = f"{prefix}.{name}" if prefix else name
 
-    @property
-    def _module_fqn(self) -> str:
-        return self.module_fqn  # upstream's private name (its tests read it)
-
     # ---- buffers ------------------------------------------------------------
 
     @property

@@ -184,29 +184,6 @@ class FSDPState:
             )
         return groups[0] if groups else None
 
-    # ---- upstream's private names -----------------------------------------------
-    # torch's own code reads them from ``fully_shard.state(module)`` (torch's pipelining
-    # before 2.15, in ``perform_reduce_grad``), and so do upstream's tests.
-
-    @property
-    def _is_root(self) -> bool | None:
-        return self.is_root
-
-    @property
-    def _state_ctx(self) -> _RootSteps:
-        return self.root_steps  # ``.all_states``: the states under the root, root first
-
-    @property
-    def _fsdp_param_group(self) -> FSDPParamGroup | None:
-        return self.param_group
-
-    @property
-    def _fsdp_param_groups(self) -> list[FSDPParamGroup]:
-        return self.param_groups
-
-    def _root_post_backward_final_callback(self) -> None:
-        self._end_backward()
-
     # ---- lazy init ------------------------------------------------------------
 
     def _lazy_init(self) -> None:

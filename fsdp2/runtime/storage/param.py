@@ -207,10 +207,6 @@ class FSDPParam:
         self.extension = ExtensionState(self.module_infos[0][0], mesh)
 
     @property
-    def _param_fqn(self) -> str:
-        return self.fqn  # upstream's private name (its tests read it)
-
-    @property
     def flat_numel(self) -> int:
         """Elements this parameter occupies in its group's flat buffer (0: outside it)."""
         return self.padded_shard_numel if self.in_flat else 0
