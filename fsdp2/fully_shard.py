@@ -41,6 +41,7 @@ from .runtime.meshes.mesh import (
     mesh_info_for,
     post_forward_mesh_info,
     spmd_mesh_for,
+    tp_major_mesh,
 )
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh, split_by_dtype
 from .runtime.storage.extensions import needs_own_shard
@@ -257,12 +258,9 @@ def _make_group(
         spmd_meshes = {p: layout.mesh for p, layout in layouts.items()}
     else:
         spmd_meshes = _spmd_meshes(params, mesh_info.mesh)
-        replicate = (Replicate(),) if mesh_info.is_hsdp else ()
-        layouts = {  # the dp dims' placements, then the TP mesh's (as _sharded_placements)
-            p: SpmdLayout(spmd_meshes.get(p, mesh_info.mesh),
-                          (*replicate, placement, *_tp_placements(p)), frozenset())
-            for p, (_, placement) in ragged.items()
-        }
+        layouts = {p: _ragged_layout(p, placement, spmd_meshes.get(p), mesh_info)
+                   for p, (_, placement) in ragged.items()}
+        spmd_meshes.update({p: layout.mesh for p, layout in layouts.items()})
     fsdp_params = [
         FSDPParam(
             p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
@@ -291,6 +289,22 @@ def _tp_placements(param: nn.Parameter) -> tuple[Placement, ...]:
     return tuple(param.placements) if isinstance(param, DTensor) else ()
 
 
+def _ragged_layout(
+    param: nn.Parameter, placement: RaggedShard, spmd_mesh: DeviceMesh | None,
+    mesh_info: FSDPMeshInfo,
+) -> SpmdLayout:
+    """A parameter-major parameter's mesh and placements: the data-parallel dims' then the
+    tensor-parallel ones; TP dims that split its rows first (see [Note: Model-parallel
+    parameters on the parameter-major layout] in runtime/storage/ragged.py)."""
+    dp = ((Replicate(),) if mesh_info.is_hsdp else ()) + (placement,)
+    tp = _tp_placements(param)
+    if spmd_mesh is None:
+        return SpmdLayout(mesh_info.mesh, dp, frozenset())
+    if any(_splits_rows(pl) for pl in tp):
+        return SpmdLayout(tp_major_mesh(spmd_mesh, len(dp)), (*tp, *dp), frozenset())
+    return SpmdLayout(spmd_mesh, (*dp, *tp), frozenset())
+
+
 def _ragged_rows(
     mesh_group: MeshGroup, names: dict[nn.Parameter, str]
 ) -> dict[nn.Parameter, tuple[RaggedRows, RaggedShard]]:
@@ -299,10 +313,7 @@ def _ragged_rows(
     A group is parameter-major or dim-0 as a whole; see [Note: The
     parameter-major layout] in runtime/storage/ragged.py. A DTensor parameter
     (tensor parallelism, a ``dp_mesh_dims`` mesh) is planned by its local rows,
-    as the dim-0 layout shards its local tensor; where a model-parallel dim
-    after the data-parallel one already splits dim 0 (``ColwiseParallel``)
-    the rows would lie within each of its shards, which DTensor names only
-    with its own strided placement: refused (see [Note: Model-parallel
+    as the dim-0 layout shards its local tensor (see [Note: Model-parallel
     parameters on the parameter-major layout] in runtime/storage/ragged.py).
     """
     params, mesh_info = mesh_group.params, mesh_group.mesh_info
@@ -323,12 +334,6 @@ def _ragged_rows(
         refusal = ("0-d or tensor-subclass parameters with all-gather hooks "
                    f"('{names[bad]}': a subclass shards itself with torch.chunk's rows; "
                    "hooks bound onto the local tensor after fully_shard work)")
-    split = next((p for p in params if mesh_group.spmd is None
-                  and any(_splits_rows(pl) for pl in _tp_placements(p))), None)
-    if refusal is None and split is not None:
-        refusal = (f"tensor-parallel parameters whose TP placements split dim 0 ('{names[split]}' "
-                   f"is {tuple(split.placements)}, e.g. ColwiseParallel's: its rows would lie "
-                   "within each TP shard)")
     if refusal is not None:
         raise FSDPNotImplementedError(
             f"RaggedShard for '{first}': the parameter-major layout does not support "

@@ -8,10 +8,13 @@ local (model-parallel) rows, and the sharded DTensor carries the
 placements. Each configuration trains against the single-process reference
 and, in the same launch, against the dim-0 layout on the same mesh: losses,
 gradients and parameters to the bit (the same sums, elementwise Adam).
-Checkpoints and state dicts go between the layouts. Model-parallel dims that
-split dim 0 after the data-parallel one (``ColwiseParallel``) are refused,
-naming the parameter (see [Note: Model-parallel parameters on the
-parameter-major layout] in fsdp2/runtime/storage/ragged.py).
+Checkpoints and state dicts go between the layouts. A tensor-parallel dim
+that splits dim 0 (``ColwiseParallel``) puts the rows within each TP shard:
+the sharded DTensor then lives on the same ranks' mesh with the tp dim first
+(see [Note: Model-parallel parameters on the parameter-major layout] in
+fsdp2/runtime/storage/ragged.py). On a ``dp_mesh_dims`` mesh, whose object
+the parameters keep, such a dim after the data-parallel one is refused,
+naming the parameter.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from models import (
     transformer_loss,
 )
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdp2 import DataParallelMeshDims, RaggedShard, fully_shard
 from fsdp2.errors import FSDPNotImplementedError
@@ -88,11 +91,7 @@ def _spmd(sizes, names, dims_kw, tp=False):
     return case
 
 
-ROWWISE = {k: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-           for k in tp_cases.TP_PLAN}
-
-
-def _tp_model(mesh, dp_mesh, seed, ragged, plan=ROWWISE):
+def _tp_model(mesh, dp_mesh, seed, ragged, plan=tp_cases.TP_PLAN):
     model = build_transformer(seed=seed, hidden=12)
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], plan)
@@ -100,7 +99,9 @@ def _tp_model(mesh, dp_mesh, seed, ragged, plan=ROWWISE):
 
 
 def _tensor_parallel(rank, world_size):
-    """FSDP x TP (2 x 2): both layouts train as the reference does, to each other's bits."""
+    """FSDP x TP (2 x 2), ColwiseParallel and RowwiseParallel: both layouts train as the
+    reference does, to each other's bits; a column-parallel weight's rows lie within its
+    TP shard, on the same ranks' mesh with the tp dim first."""
     mesh, dp_mesh = tp_cases._meshes(("dp",))
     dp_rank, dp_size = tp_cases._dp_rank(dp_mesh), dp_mesh.size()
     batches = [transformer_batch(step, 2 * dp_size) for step in range(3)]
@@ -108,14 +109,17 @@ def _tensor_parallel(rank, world_size):
     for ragged in (False, True):
         ref, model = make_pair(lambda: build_transformer(seed=21, hidden=12))
         for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], ROWWISE)
+            parallelize_module(layer, mesh["tp"], tp_cases.TP_PLAN)
         shard_transformer(model, fully_shard, mesh=dp_mesh, **(RAGGED if ragged else {}))
         ref_losses, losses = train_steps(ref, model, batches, transformer_loss, dp_rank, dp_size)
         assert_losses_match(ref_losses, losses)
         assert_params_match(ref, model)
         runs.append((losses, {n: p.full_tensor() for n, p in model.named_parameters()}))
-    wo = model.layers[0].attention.wo.weight
+    wo, wq = model.layers[0].attention.wo.weight, model.layers[0].attention.wq.weight
     assert isinstance(wo.placements[0], RaggedShard) and wo.placements[1] == Shard(1), wo
+    assert wo.device_mesh.mesh_dim_names == ("dp", "tp"), wo.device_mesh
+    assert wq.placements[0] == Shard(0) and isinstance(wq.placements[1], RaggedShard), wq
+    assert wq.device_mesh.mesh_dim_names == ("tp", "dp"), wq.device_mesh
     (losses, params), (r_losses, r_params) = runs
     assert losses == r_losses
     for name, value in params.items():
@@ -156,10 +160,8 @@ def _state_dicts(rank, world_size):
 
 
 def _refusals(rank, world_size):
-    """Model-parallel dims after the data-parallel one that split dim 0: refused by name."""
-    mesh, dp_mesh = tp_cases._meshes(("dp",))
-    with pytest.raises(FSDPNotImplementedError, match=r"wq.weight.*ColwiseParallel"):
-        _tp_model(mesh, dp_mesh, 21, ragged=True, plan=tp_cases.TP_PLAN)
+    """On a dp_mesh_dims mesh (the parameters' own mesh object), a model-parallel dim after
+    the data-parallel one that splits dim 0: refused by name."""
     spmd_mesh = spmd_cases._mesh((2, 2), ("dp9", "tp9"))
     model = spmd_cases._Net()
     distribute_module(model, spmd_mesh, spmd_cases._tp_partition)  # in_proj: Shard(0) on tp

@@ -176,6 +176,31 @@ def spmd_mesh_for(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         ) from e
 
 
+# (data-parallel, tensor-parallel) mesh -> the same ranks, tensor-parallel dims first
+_TP_MAJOR: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def tp_major_mesh(spmd_mesh: DeviceMesh, dp_ndim: int) -> DeviceMesh:
+    """``spmd_mesh`` (``dp_ndim`` data-parallel dims, then tensor-parallel ones) with the
+    tensor-parallel dims first, over the same process groups (none is made).
+
+    DTensor applies placements in mesh order: a parameter-major shard *within*
+    each tensor-parallel row shard is plain nested sharding on this order (see
+    [Note: Model-parallel parameters on the parameter-major layout] in ragged.py).
+    """
+    mesh = _TP_MAJOR.get(spmd_mesh)
+    if mesh is None:
+        order = [*range(dp_ndim, spmd_mesh.ndim), *range(dp_ndim)]
+        names = spmd_mesh.mesh_dim_names
+        mesh = DeviceMesh.from_group(
+            [spmd_mesh.get_group(i) for i in order], spmd_mesh.device_type,
+            mesh=spmd_mesh.mesh.permute(order).contiguous(),
+            mesh_dim_names=tuple(names[i] for i in order),
+        )
+        _TP_MAJOR[spmd_mesh] = mesh
+    return mesh
+
+
 def device_for(mesh: DeviceMesh) -> torch.device:
     """The device parameters live on: CPU, or this rank's current accelerator."""
     if mesh.device_type == "cpu":

@@ -27,14 +27,19 @@ shards its local tensor: the group's buffer holds model-parallel shards
 whole, and the sharded DTensor lives on the (data-parallel, model-parallel)
 mesh with the ``RaggedShard`` on the data-parallel dim beside the
 parameter's own placements. DTensor applies a mesh's placements in mesh
-order, so the rows name global rows wherever no model-parallel dim *after*
-the data-parallel one splits dim 0 (columns split, ``Replicate``, or a dim
-before it): ``full_tensor()``, DCP's offsets and redistribution then need
-nothing new. Where one does (``ColwiseParallel``'s weights after ``dp``),
-the rows lie within each of its shards, which DTensor can only name with
-its own ``_StridedShard``: refused by name until the placement learns it.
-Loading a value of another layout takes this rank's model-parallel part of
-the full value first (``_model_parallel_local``, cut locally), then its rows.
+order, and the rows are rows of the model-parallel shard: nested sharding
+in that order. So where a tensor-parallel placement splits dim 0
+(``ColwiseParallel``), the sharded DTensor lives on the same ranks' mesh
+with the tp dims first (``tp_major_mesh``: ``DeviceMesh.from_group`` over
+the existing process groups, none made), placements ``(Shard(0), ...,
+RaggedShard)``; otherwise on the (dp, tp) mesh, ``(RaggedShard, ...)``.
+``full_tensor()``, DCP's offsets and redistribution then need nothing new
+(upstream names the same layout with its strided placement on (dp, tp)). A
+``dp_mesh_dims`` parameter keeps the user's mesh object, so a model-parallel
+dim *after* the data-parallel one that splits dim 0 is refused there, by
+name. Loading a value of another layout takes this rank's model-parallel
+part of the full value first (``_model_parallel_local``, cut locally), then
+its rows.
 
 ``RaggedRows`` (ragged_rows.py) answers what ``ShardLayout`` answers for
 ``torch.chunk`` (local rows, local size, the slot size) so ``FSDPParam``
