@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdp2 import DataParallelMeshDims, RaggedShard, fully_shard
 from fsdp2.errors import FSDPNotImplementedError
+from fsdp2.quant import gather_fp8_tiles
 
 pytestmark = fsdp2_only  # fsdp2's own layout
 
@@ -161,7 +162,13 @@ def _state_dicts(rank, world_size):
 
 def _refusals(rank, world_size):
     """On a dp_mesh_dims mesh (the parameters' own mesh object), a model-parallel dim after
-    the data-parallel one that splits dim 0: refused by name."""
+    the data-parallel one that splits dim 0: refused by name; and fp8 tiles of a
+    tensor-parallel weight (on either layout)."""
+    mesh, dp_mesh = tp_cases._meshes(("dp",))
+    for ragged in (False, True):
+        model = _tp_model(mesh, dp_mesh, 21, ragged=ragged)
+        with pytest.raises(ValueError, match="'attention.wq.weight' is tensor-parallel"):
+            gather_fp8_tiles(model.layers[0], tile=2)
     spmd_mesh = spmd_cases._mesh((2, 2), ("dp9", "tp9"))
     model = spmd_cases._Net()
     distribute_module(model, spmd_mesh, spmd_cases._tp_partition)  # in_proj: Shard(0) on tp

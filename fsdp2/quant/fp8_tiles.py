@@ -169,6 +169,12 @@ def gather_fp8_tiles(
                 "call it after fully_shard"
             )
         placement = param.placements[-1]
+        model_parallel = [pl for pl in param.placements[:-1] if not pl.is_replicate()]
+        if model_parallel:  # tiles of a tensor-parallel shard: not built
+            raise ValueError(
+                f"gather_fp8_tiles: parameter '{name}' is tensor-parallel ({tuple(param.placements)});"
+                " fp8 tiles gather weights sharded by FSDP alone: filter it out with filter_fn"
+            )
         if isinstance(placement, RaggedShardBase) and param.dim() == 2:
             chosen.append(_bind_rows(name, param, placement.row_bounds, tile))
             continue
