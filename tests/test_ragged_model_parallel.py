@@ -12,9 +12,8 @@ Checkpoints and state dicts go between the layouts. A tensor-parallel dim
 that splits dim 0 (``ColwiseParallel``) puts the rows within each TP shard:
 the sharded DTensor then lives on the same ranks' mesh with the tp dim first
 (see [Note: Model-parallel parameters on the parameter-major layout] in
-fsdp2/runtime/storage/ragged.py). On a ``dp_mesh_dims`` mesh, whose object
-the parameters keep, such a dim after the data-parallel one is refused,
-naming the parameter.
+fsdp2/runtime/storage/ragged.py); on a ``dp_mesh_dims`` mesh too, but with
+several (flattened) shard dims, where it is refused by name.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def _split_columns(name, module, mesh):
             param_name, nn.Parameter(distribute_tensor(param.detach(), mesh, [*prefix, last])))
 
 
-def _spmd(sizes, names, dims_kw, tp=False):
+def _spmd(sizes, names, dims_kw, tp=None):
     """dp_mesh_dims: the reference's training, and the dim-0 layout's to the bit."""
 
     def case(rank, world_size):
@@ -72,7 +71,7 @@ def _spmd(sizes, names, dims_kw, tp=False):
         runs = []
         for extra in ({}, RAGGED):
             model = copy.deepcopy(ref)
-            distribute_module(model, mesh, _split_columns if tp else None)
+            distribute_module(model, mesh, tp)
             for module in (model.in_proj, model):
                 fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims_kw),
                             **extra)
@@ -161,25 +160,28 @@ def _state_dicts(rank, world_size):
 
 
 def _refusals(rank, world_size):
-    """On a dp_mesh_dims mesh (the parameters' own mesh object), a model-parallel dim after
-    the data-parallel one that splits dim 0: refused by name; and fp8 tiles of a
-    tensor-parallel weight (on either layout)."""
+    """Several shard dims of a dp_mesh_dims mesh with a model-parallel dim after them that
+    splits dim 0: refused by name; and fp8 tiles of a tensor-parallel weight (on either
+    layout)."""
     mesh, dp_mesh = tp_cases._meshes(("dp",))
     for ragged in (False, True):
         model = _tp_model(mesh, dp_mesh, 21, ragged=ragged)
         with pytest.raises(ValueError, match="'attention.wq.weight' is tensor-parallel"):
             gather_fp8_tiles(model.layers[0], tile=2)
-    spmd_mesh = spmd_cases._mesh((2, 2), ("dp9", "tp9"))
+    spmd_mesh = spmd_cases._mesh((2, 1, 2), ("a9", "b9", "tp9"))
     model = spmd_cases._Net()
     distribute_module(model, spmd_mesh, spmd_cases._tp_partition)  # in_proj: Shard(0) on tp
-    with pytest.raises(FSDPNotImplementedError, match="RaggedShard for 'weight'.*split dim 0"):
-        fully_shard(model.in_proj, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp9"),
-                    **RAGGED)
+    with pytest.raises(FSDPNotImplementedError, match="RaggedShard for 'weight'.*several shard"):
+        fully_shard(model.in_proj, mesh=spmd_mesh,
+                    dp_mesh_dims=DataParallelMeshDims(shard=("a9", "b9")), **RAGGED)
 
 
 CASES_2 = {"spmd_fsdp": _spmd((2,), ("rdp",), dict(shard="rdp"))}
 CASES_4 = {
-    "spmd_fsdp_tp": _spmd((2, 2), ("rdp4", "rtp4"), dict(shard="rdp4"), tp=True),
+    "spmd_fsdp_tp": _spmd((2, 2), ("rdp4", "rtp4"), dict(shard="rdp4"), tp=_split_columns),
+    # in_proj column-parallel (Shard(0) on tp, after dp): the sharded mesh puts tp first
+    "spmd_fsdp_colwise": _spmd((2, 2), ("rdp5", "rtp5"), dict(shard="rdp5"),
+                               tp=spmd_cases._tp_partition),
     "spmd_hsdp": _spmd((2, 2), ("rrep", "rshard"), dict(shard="rshard", replicate="rrep")),
     "spmd_flattened_shard": _spmd((2, 2), ("ra", "rb"), dict(shard=("ra", "rb"))),
     "tensor_parallel": _tensor_parallel,

@@ -42,7 +42,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
 from ...api import DataParallelMeshDims
 from ...errors import FSDPNotImplementedError
-from .mesh import FSDPMeshInfo
+from .mesh import FSDPMeshInfo, reordered_mesh
 
 
 class OverlappingDimsError(ValueError, RuntimeError):
@@ -194,6 +194,8 @@ def spmd_layout(
                     "the data-parallel dims itself"
                 )
     new = list(placements)
+    if ragged is not None and len(spmd.shard_indices) == 1:
+        return _ragged_spmd_layout(spmd, placements, shard_dim, ragged)
     for idx in spmd.shard_indices:
         # model-parallel dims to the right that split the same tensor dim: FSDP
         # shards within their shards, a strided shard in DTensor's terms
@@ -203,9 +205,10 @@ def spmd_layout(
         if ragged is not None and split > 1:
             raise FSDPNotImplementedError(
                 f"RaggedShard for '{fqn}': the parameter-major layout does not support "
-                f"model-parallel dims after the data-parallel one that split dim 0 yet "
-                f"({placements}: its rows would lie within each of their shards); return "
-                "None from shard_placement_fn (the dim-0 layout) for this call"
+                f"several shard dims with a model-parallel dim after them that splits dim 0 "
+                f"yet ({placements}: its rows would lie within each of its shards, across the "
+                "flattened shard dims); return None from shard_placement_fn (the dim-0 "
+                "layout) for this call"
             )
         if ragged is not None:
             new[idx] = ragged
@@ -215,6 +218,23 @@ def spmd_layout(
     if len(spmd.shard_indices) <= 1:
         return SpmdLayout(mesh, tuple(new), dp_dims)
     return _flattened_layout(spmd, new, dp_dims)
+
+
+def _ragged_spmd_layout(
+    spmd: SpmdDims, placements: tuple[Placement, ...], shard_dim: int, ragged: Placement
+) -> SpmdLayout:
+    """The parameter-major placement on the shard dim; model-parallel dims after it that
+    split the rows moved before it, on the same ranks' mesh (see [Note: Model-parallel
+    parameters on the parameter-major layout] in ragged.py)."""
+    mesh, (idx,) = spmd.mesh, spmd.shard_indices
+    new = list(placements)
+    new[idx] = ragged
+    first = tuple(j for j in range(idx + 1, mesh.ndim) if _splits(placements[j], shard_dim))
+    dp_dims = frozenset(spmd.shard_indices + spmd.replicate_indices)
+    if not first:
+        return SpmdLayout(mesh, tuple(new), dp_dims)
+    order = (*first, *(j for j in range(mesh.ndim) if j not in first))
+    return SpmdLayout(reordered_mesh(mesh, order), tuple(new[j] for j in order), dp_dims)
 
 
 def _splits(placement: Placement, dim: int) -> bool:

@@ -176,29 +176,35 @@ def spmd_mesh_for(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         ) from e
 
 
-# (data-parallel, tensor-parallel) mesh -> the same ranks, tensor-parallel dims first
-_TP_MAJOR: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+# mesh -> {dim order: the same ranks' mesh with its dims in that order}
+_REORDERED: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[int, ...], DeviceMesh]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def reordered_mesh(mesh: DeviceMesh, order: tuple[int, ...]) -> DeviceMesh:
+    """``mesh`` with its dims in ``order``, over the same process groups (none is made).
+
+    DTensor applies placements in mesh order: a parameter-major shard *within*
+    each model-parallel row shard is plain nested sharding once those dims come
+    first (see [Note: Model-parallel parameters on the parameter-major layout]
+    in ragged.py).
+    """
+    meshes = _REORDERED.setdefault(mesh, {})
+    if order not in meshes:
+        names = mesh.mesh_dim_names
+        meshes[order] = DeviceMesh.from_group(
+            [mesh.get_group(i) for i in order], mesh.device_type,
+            mesh=mesh.mesh.permute(order).contiguous(),
+            mesh_dim_names=tuple(names[i] for i in order),
+        )
+    return meshes[order]
 
 
 def tp_major_mesh(spmd_mesh: DeviceMesh, dp_ndim: int) -> DeviceMesh:
     """``spmd_mesh`` (``dp_ndim`` data-parallel dims, then tensor-parallel ones) with the
-    tensor-parallel dims first, over the same process groups (none is made).
-
-    DTensor applies placements in mesh order: a parameter-major shard *within*
-    each tensor-parallel row shard is plain nested sharding on this order (see
-    [Note: Model-parallel parameters on the parameter-major layout] in ragged.py).
-    """
-    mesh = _TP_MAJOR.get(spmd_mesh)
-    if mesh is None:
-        order = [*range(dp_ndim, spmd_mesh.ndim), *range(dp_ndim)]
-        names = spmd_mesh.mesh_dim_names
-        mesh = DeviceMesh.from_group(
-            [spmd_mesh.get_group(i) for i in order], spmd_mesh.device_type,
-            mesh=spmd_mesh.mesh.permute(order).contiguous(),
-            mesh_dim_names=tuple(names[i] for i in order),
-        )
-        _TP_MAJOR[spmd_mesh] = mesh
-    return mesh
+    tensor-parallel dims first."""
+    return reordered_mesh(spmd_mesh, (*range(dp_ndim, spmd_mesh.ndim), *range(dp_ndim)))
 
 
 def device_for(mesh: DeviceMesh) -> torch.device:

@@ -34,10 +34,10 @@ with the tp dims first (``tp_major_mesh``: ``DeviceMesh.from_group`` over
 the existing process groups, none made), placements ``(Shard(0), ...,
 RaggedShard)``; otherwise on the (dp, tp) mesh, ``(RaggedShard, ...)``.
 ``full_tensor()``, DCP's offsets and redistribution then need nothing new
-(upstream names the same layout with its strided placement on (dp, tp)). A
-``dp_mesh_dims`` parameter keeps the user's mesh object, so a model-parallel
-dim *after* the data-parallel one that splits dim 0 is refused there, by
-name. Loading a value of another layout takes this rank's model-parallel
+(upstream names the same layout with its strided placement on (dp, tp)). On
+a ``dp_mesh_dims`` mesh the model-parallel dims after the shard dim that
+split dim 0 move before it the same way (``reordered_mesh``); with several
+(flattened) shard dims that case is refused by name. Loading a value of another layout takes this rank's model-parallel
 part of the full value first (``_model_parallel_local``, cut locally), then
 its rows.
 
