@@ -44,7 +44,6 @@ from .runtime.meshes.mesh import (
     tp_major_mesh,
 )
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh, split_by_dtype
-from .runtime.storage.extensions import needs_own_shard
 from .runtime.storage.param import FSDPParam
 from .runtime.storage.ragged_rows import RaggedRows, plan_rows
 
@@ -329,11 +328,9 @@ def _ragged_rows(
                 "or dim-0 as a whole; return RaggedShard for every parameter of the call, or none"
             )
     refusal = None
-    bad = next((p for p in params if p.dim() == 0 or needs_own_shard(p)), None)
+    bad = next((p for p in params if p.dim() == 0), None)
     if bad is not None:
-        refusal = ("0-d or tensor-subclass parameters with all-gather hooks "
-                   f"('{names[bad]}': a subclass shards itself with torch.chunk's rows; "
-                   "hooks bound onto the local tensor after fully_shard work)")
+        refusal = f"0-d parameters ('{names[bad]}')"
     if refusal is not None:
         raise FSDPNotImplementedError(
             f"RaggedShard for '{first}': the parameter-major layout does not support "

@@ -17,6 +17,7 @@ import copy
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed.fsdp as upstream
 import torch.nn as nn
@@ -225,3 +226,83 @@ def _one_rank_body(rank, world_size):
 def test_multi_input_extension_one_rank():
     """Shard group of one rank: the post hook gets all of the pre hook's tensors."""
     run_ranks(_one_rank_body, 1)
+
+
+# ---- the parameter-major layout: a subclass's rows, any W ------------------------------
+
+
+def _ragged_body(rank, world_size):
+    """_HiLoWeight on RaggedShard groups (fsdp2's layout): the reference's gradients, and at
+    W = 2 the dim-0 layout's bits. At W = 3 the 14-row weight is uneven: the dim-0 layout
+    (and upstream) refuse this hook there; each rank sends its own rows, padded by FSDP."""
+    from fsdp2 import MixedPrecisionPolicy as Policy
+    from fsdp2 import RaggedShard
+    from fsdp2 import fully_shard as shard
+
+    ragged = {"shard_placement_fn": lambda p: RaggedShard()}
+    for param_dtype in (None, torch.bfloat16):
+        for requires_grad in (False, True):
+            where = f"W={world_size}, param_dtype={param_dtype}, requires_grad={requires_grad}"
+            mp = Policy(param_dtype)
+            fns = [lambda m, mp=mp, **kw: shard(m, mp_policy=mp, **ragged, **kw)]
+            if world_size == 2:
+                fns.append(lambda m, mp=mp, **kw: shard(m, mp_policy=mp, **kw))
+            ref, models = _hilo_models(fns, requires_grad, cpu_mesh())
+            opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+                    for m in (ref, *models)]
+            for step in range(2):
+                x, y = mlp_batch(step, 2 * world_size)
+                nn.functional.mse_loss(ref(x), y).backward()
+                losses = []
+                for model in models:
+                    xs, ys = rank_slice((x, y), rank, world_size)
+                    loss = nn.functional.mse_loss(model(xs).float(), ys)
+                    loss.backward()
+                    losses.append(global_mean(loss))
+                if param_dtype is None:  # exact weights: the plain model's numerics
+                    assert_grads_match(ref, models[0], rtol=1e-5, atol=1e-6)
+                assert all(torch.equal(loss, losses[0]) for loss in losses), (where, losses)
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+            weight = models[0].blocks[0].weight
+            assert type(weight.to_local()) is _HiLoWeight, where
+            assert isinstance(weight.placements[0], RaggedShard), where
+            if world_size == 2:
+                for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+                    assert torch.equal(_plain(p.full_tensor()), _plain(q.full_tensor())), (
+                        where, name)
+
+
+@fsdp2_only
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_subclass_extension_on_the_parameter_major_layout(world_size):
+    """A subclass with all-gather hooks on RaggedShard: the reference's training at W = 2, 3."""
+    run_ranks(_ragged_body, world_size)
+
+
+class _OneRowHook(_HiLoWeight):
+    """Sends one row whatever it holds: not rows of its shard."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data.new_zeros(1, *self._data.shape[1:]),), None
+
+
+def _bad_rows_body(rank, world_size):
+    torch.manual_seed(3)
+    layer = nn.Linear(7, 14)
+    layer.weight = nn.Parameter(_OneRowHook(layer.weight.detach()), requires_grad=False)
+    from fsdp2 import RaggedShard
+    from fsdp2 import fully_shard as shard
+
+    shard(layer, mesh=cpu_mesh(), shard_placement_fn=lambda p: RaggedShard("whole"))
+    # rank 0 holds all 14 rows (one row sent: refused), rank 1 none (one padding row: fine)
+    with pytest.raises(AssertionError, match="inputs whose dim 0 holds the shard's rows|Another"):
+        layer(torch.zeros(2, 7))
+    return True
+
+
+@fsdp2_only
+def test_subclass_inputs_that_are_not_rows_raise_on_every_rank():
+    """A hook whose inputs are not its rows fails on every rank before the collective (no hang)."""
+    assert run_ranks(_bad_rows_body, 2, timeout=60) == [True, True]

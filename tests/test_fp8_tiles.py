@@ -201,14 +201,18 @@ def _bad_input(rank, world_size):
         fully_shard(odd, mesh=cpu_mesh())
         with pytest.raises(ValueError, match=r"'0.weight' has 320 rows, 80 per rank at W=4"):
             gather_fp8_tiles(odd)
-    # a tensor subclass with hooks shards itself with torch.chunk: refused on RaggedShard
+    # a tensor subclass with hooks on RaggedShard: its own rows, gathered whole (see
+    # [Note: Subclasses on the parameter-major layout] in fsdp2/runtime/storage/extensions.py)
     from int8_all_gather import Int8Weight  # examples/, on the path (see the imports)
 
-    sub = nn.Linear(64, 128, bias=False)
-    sub.weight = nn.Parameter(Int8Weight.from_float(sub.weight), requires_grad=False)
-    with pytest.raises(NotImplementedError, match=r"tensor-subclass parameters with all-gather "
-                                                  r"hooks \('weight': a subclass shards itself"):
-        fully_shard(sub, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
+    sub = nn.Linear(64, 130, bias=False)  # 130 rows: uneven at W = 3 and 4
+    quantized = Int8Weight.from_float(sub.weight)
+    want = quantized.dequantize()
+    sub.weight = nn.Parameter(quantized, requires_grad=False)
+    fully_shard(sub, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
+    sub.unshard()
+    assert torch.equal(sub.weight, want)
+    sub.reshard()
     if world_size > 1:  # whole rows of 320: a rank boundary inside a tile at W = 2, 3, 4
         rows = nn.Sequential(nn.Linear(64, 320, bias=False))
         fully_shard(rows, mesh=cpu_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())

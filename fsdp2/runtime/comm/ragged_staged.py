@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...errors import FSDPAssertionError
 from ..storage.param import FSDPParam
 from ..storage.ragged_rows import RaggedRows
 from . import staged_collectives
@@ -85,6 +86,27 @@ def gather_inputs(
             rows.append(None)
             hooked[i] = staged_collectives.hook_inputs(p, device, offload, None)
     return rows, hooked
+
+
+def agree_on_inputs(fsdp_params: list[FSDPParam], group: dist.ProcessGroup | None) -> None:
+    """Before a subclass parameter's first collective on this layout: every rank's pre-hook
+    inputs qualify, or every rank raises (see [Note: Subclasses on the parameter-major
+    layout] in extensions.py). ``group``: ``None`` for a shard group of one rank."""
+    pending = [p.extension for p in fsdp_params
+               if p.extension is not None and p.extension.rows is not None
+               and (not p.extension.agreed or group is None)]
+    if not pending:
+        return
+    local = next((e.problem for e in pending if e.problem is not None), None)
+    flag = torch.tensor([int(local is not None)])
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise FSDPAssertionError(local or "Another rank's all-gather inputs of a tensor "
+                                 "subclass on the parameter-major layout do not qualify; see "
+                                 "its error")
+    for e in pending:
+        e.agreed = True
 
 
 def all_gather(

@@ -49,7 +49,21 @@ group's ``MixedPrecisionPolicy`` and ``param_dtype`` (``None`` when it equals
 the parameter's dtype or that is not floating point: then the parameter's
 dtype), and the post hook runs in the caller's grad mode (enabled in forward),
 so a hook writing ``out=`` a parameter that requires grad must do so under
-``no_grad`` or through ``.data``. Subclass parameters live outside the group's flat buffer (see
+``no_grad`` or through ``.data``. [Note: Subclasses on the parameter-major layout]
+On a ``RaggedShard`` group a subclass parameter's local tensor is its run of
+rows (``new_zeros`` of that size, ``copy_`` of ``narrow``-ed rows: ops any
+such subclass implements), outside the group's buffer as on the dim-0 layout.
+Ranks hold different row counts, so FSDP pads each pre-hook input (whose dim
+0 must start with the shard's rows; padding of the hook's own after them is
+kept, up to the largest rank's rows) with zero rows to the largest rank's,
+and hands the post hook each rank's rows without the padding: the whole
+parameter, as on one process. Before the first collective of such a
+parameter the ranks agree that every rank's inputs qualify (one all-reduce),
+so a hook that does not raises on every rank instead of leaving the others
+in the collective. Its first post hook's tensor is the
+unsharded parameter (the group's buffer keeps an unused place for it).
+
+Subclass parameters live outside the group's flat buffer (see
 [Note: Sharded parameter storage] in param.py), so a group with one needs a
 copy-in (see [Note: Staged all-gather] in staged_collectives.py); so does a
 group with a hooked plain tensor, whose slot in the buffer is then not read.
@@ -130,6 +144,12 @@ class ExtensionState:
         self.input_sizes: list[torch.Size] = []
         self.outputs: list[torch.Tensor] = []
         self._inner: list[tuple[torch.Tensor, int]] = []  # (tensor, storage bytes)
+        # A subclass on the parameter-major layout: every rank's row count and this
+        # rank's (see [Note: Subclasses on the parameter-major layout]); what was wrong
+        # with this rank's last inputs; whether the ranks agreed that nothing was
+        self.rows: tuple[tuple[int, ...], int] | None = None
+        self.problem: str | None = None
+        self.agreed = False
 
     def pre_all_gather(
         self,
@@ -167,8 +187,33 @@ class ExtensionState:
                 f"size, got {[tuple(t.shape) for t in inputs]}; pad them, or shard a "
                 "dim 0 that divides evenly by the shard mesh size"
             )
+        if self.rows is not None:
+            inputs = self._padded_rows(inputs, fqn)
         self.input_sizes = [t.size() for t in inputs]
         return [t.reshape(-1) for t in inputs]
+
+    def _padded_rows(self, inputs: list[torch.Tensor], fqn: str) -> list[torch.Tensor]:
+        """Each input (this rank's rows first, then any padding of the hook's own)
+        zero-padded to the largest rank's rows. A problem is recorded, not raised: the
+        ranks agree on it before the collective (``ragged_staged.agree_on_inputs``)."""
+        counts, rank = self.rows
+        most = max(counts)
+        out = []
+        self.problem = None
+        for t in inputs:
+            if t.dim() == 0 or not counts[rank] <= t.size(0) <= most:
+                self.problem = (
+                    f"Parameter '{fqn}' is a tensor subclass on the parameter-major layout "
+                    f"(RaggedShard): {_PRE} must return inputs whose dim 0 holds the shard's "
+                    f"rows first ({counts[rank]} here, at most {most} with padding), got "
+                    f"{[tuple(x.shape) for x in inputs]}; return None from "
+                    "shard_placement_fn for it (the dim-0 layout)"
+                )
+                t = t.reshape(-1)[:0].new_zeros(most)  # same sizes on every rank until then
+            elif most > t.size(0):
+                t = torch.cat([t, t.new_zeros(most - t.size(0), *t.shape[1:])])
+            out.append(t)
+        return out
 
     def alloc_outputs(self, inputs: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
         """Flat ``(W * numel,)`` outputs matching ``inputs``' dtypes, storage (re)allocated."""
@@ -190,6 +235,13 @@ class ExtensionState:
         gathered = tuple(
             out.view(-1, *size[1:]) for out, size in zip(self.outputs, self.input_sizes)
         )
+        if self.rows is not None:  # each rank's rows, without the padding between them
+            counts, _ = self.rows
+            most = max(counts)
+            gathered = tuple(
+                torch.cat([t.narrow(0, r * most, n) for r, n in enumerate(counts)])
+                for t in gathered
+            )
         hook = getattr(local, _POST)
         param_dtype = self.param_dtype or local.dtype
         if unsharded is not None:

@@ -194,17 +194,14 @@ class FSDPParam:
                 f"Parameter '{self.fqn}': all-gather extensions need Shard(0) and no "
                 "tensor parallelism; drop shard_placement_fn for it"
             )
-        if self.ragged and needs_own_shard(param):
-            raise NotImplementedError(
-                f"Parameter '{self.fqn}': a tensor subclass with all-gather hooks "
-                f"({type(param).__name__}) shards itself with torch.chunk's rows, not a "
-                "RaggedShard's; return None from shard_placement_fn for it (hooks bound onto "
-                "the plain local tensor, as fsdp2.quant.gather_fp8_tiles does, work on both)"
-            )
         mesh = self.mesh_info.mesh
         if mesh.ndim > 1:
             mesh = mesh[mesh.mesh_dim_names[self.mesh_info.shard_mesh_dim]]
         self.extension = ExtensionState(self.module_infos[0][0], mesh)
+        if self.ragged and needs_own_shard(param):  # See [Note: Subclasses on the
+            bounds = self.layout.row_bounds  # parameter-major layout] in extensions.py
+            counts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            self.extension.rows = (counts, self.layout.rank)
 
     @property
     def flat_numel(self) -> int:
@@ -283,6 +280,11 @@ class FSDPParam:
         Applies exactly upstream's ops to the subclass, in its order (see
         [Note: All-gather extensions] in extensions.py).
         """
+        if self.ragged:  # See [Note: Subclasses on the parameter-major layout]
+            local = source.new_zeros(self.local_size)
+            if self.local_rows > 0:
+                local.copy_(source.narrow(0, self.layout.row_start, self.local_rows))
+            return local
         chunks = torch.chunk(source, self.mesh_info.shard_mesh_size, dim=0)
         rank = self.mesh_info.shard_mesh_rank
         chunk = chunks[rank] if rank < len(chunks) else chunks[0].new_empty(0)

@@ -108,7 +108,8 @@ class ParamMajor(BufferOrder):
         if storage.size() != numel * out.element_size():
             storage.resize_(numel * out.element_size())
         for p in self.fsdp_params:
-            p.view_gathered(out, p.layout.start)
+            if p.in_flat:  # a subclass's unsharded tensor is its post hook's own
+                p.view_gathered(out, p.layout.start)
         return out
 
     def copy_out(self, output: torch.Tensor, params: list[FSDPParam]) -> None:
