@@ -12,8 +12,8 @@ Checkpoints and state dicts go between the layouts. A tensor-parallel dim
 that splits dim 0 (``ColwiseParallel``) puts the rows within each TP shard:
 the sharded DTensor then lives on the same ranks' mesh with the tp dim first
 (see [Note: Model-parallel parameters on the parameter-major layout] in
-fsdp2/runtime/storage/ragged.py); on a ``dp_mesh_dims`` mesh too, but with
-several (flattened) shard dims, where it is refused by name.
+fsdp2/runtime/storage/ragged.py); on a ``dp_mesh_dims`` mesh too, flattened
+shard dims included.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdp2 import DataParallelMeshDims, RaggedShard, fully_shard
-from fsdp2.errors import FSDPNotImplementedError
 from fsdp2.quant import gather_fp8_tiles
 
 pytestmark = fsdp2_only  # fsdp2's own layout
@@ -160,20 +159,12 @@ def _state_dicts(rank, world_size):
 
 
 def _refusals(rank, world_size):
-    """Several shard dims of a dp_mesh_dims mesh with a model-parallel dim after them that
-    splits dim 0: refused by name; and fp8 tiles of a tensor-parallel weight (on either
-    layout)."""
+    """fp8 tiles of a tensor-parallel weight (on either layout): refused by name."""
     mesh, dp_mesh = tp_cases._meshes(("dp",))
     for ragged in (False, True):
         model = _tp_model(mesh, dp_mesh, 21, ragged=ragged)
         with pytest.raises(ValueError, match="'attention.wq.weight' is tensor-parallel"):
             gather_fp8_tiles(model.layers[0], tile=2)
-    spmd_mesh = spmd_cases._mesh((2, 1, 2), ("a9", "b9", "tp9"))
-    model = spmd_cases._Net()
-    distribute_module(model, spmd_mesh, spmd_cases._tp_partition)  # in_proj: Shard(0) on tp
-    with pytest.raises(FSDPNotImplementedError, match="RaggedShard for 'weight'.*several shard"):
-        fully_shard(model.in_proj, mesh=spmd_mesh,
-                    dp_mesh_dims=DataParallelMeshDims(shard=("a9", "b9")), **RAGGED)
 
 
 CASES_2 = {"spmd_fsdp": _spmd((2,), ("rdp",), dict(shard="rdp"))}
@@ -184,6 +175,9 @@ CASES_4 = {
                                tp=spmd_cases._tp_partition),
     "spmd_hsdp": _spmd((2, 2), ("rrep", "rshard"), dict(shard="rshard", replicate="rrep")),
     "spmd_flattened_shard": _spmd((2, 2), ("ra", "rb"), dict(shard=("ra", "rb"))),
+    # two shard dims flattened, then a column-parallel dim: it moves before the flattened one
+    "spmd_flattened_colwise": _spmd((2, 1, 2), ("ra9", "rb9", "rtp9"),
+                                    dict(shard=("ra9", "rb9")), tp=spmd_cases._tp_partition),
     "tensor_parallel": _tensor_parallel,
     "state_dicts": _state_dicts,
     "refusals": _refusals,

@@ -41,7 +41,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..._torch_compat import concatenate_meshes, flatten_mesh, strided_shard, strided_split_factor
 from ...api import DataParallelMeshDims
-from ...errors import FSDPNotImplementedError
 from .mesh import FSDPMeshInfo, reordered_mesh
 
 
@@ -194,47 +193,36 @@ def spmd_layout(
                     "the data-parallel dims itself"
                 )
     new = list(placements)
-    if ragged is not None and len(spmd.shard_indices) == 1:
-        return _ragged_spmd_layout(spmd, placements, shard_dim, ragged)
     for idx in spmd.shard_indices:
+        if ragged is not None:
+            new[idx] = ragged
+            continue
         # model-parallel dims to the right that split the same tensor dim: FSDP
         # shards within their shards, a strided shard in DTensor's terms
         split = math.prod(
             mesh.size(j) for j in range(idx + 1, mesh.ndim) if _splits(placements[j], shard_dim)
         )
-        if ragged is not None and split > 1:
-            raise FSDPNotImplementedError(
-                f"RaggedShard for '{fqn}': the parameter-major layout does not support "
-                f"several shard dims with a model-parallel dim after them that splits dim 0 "
-                f"yet ({placements}: its rows would lie within each of its shards, across the "
-                "flattened shard dims); return None from shard_placement_fn (the dim-0 "
-                "layout) for this call"
-            )
-        if ragged is not None:
-            new[idx] = ragged
-        else:
-            new[idx] = strided_shard(shard_dim, split) if split > 1 else Shard(shard_dim)
+        new[idx] = strided_shard(shard_dim, split) if split > 1 else Shard(shard_dim)
     dp_dims = frozenset(spmd.shard_indices + spmd.replicate_indices)
     if len(spmd.shard_indices) <= 1:
-        return SpmdLayout(mesh, tuple(new), dp_dims)
-    return _flattened_layout(spmd, new, dp_dims)
+        layout = SpmdLayout(mesh, tuple(new), dp_dims)
+    else:
+        layout = _flattened_layout(spmd, new, dp_dims)
+    return layout if ragged is None else _rows_within_model_shards(layout, ragged)
 
 
-def _ragged_spmd_layout(
-    spmd: SpmdDims, placements: tuple[Placement, ...], shard_dim: int, ragged: Placement
-) -> SpmdLayout:
-    """The parameter-major placement on the shard dim; model-parallel dims after it that
-    split the rows moved before it, on the same ranks' mesh (see [Note: Model-parallel
-    parameters on the parameter-major layout] in ragged.py)."""
-    mesh, (idx,) = spmd.mesh, spmd.shard_indices
-    new = list(placements)
-    new[idx] = ragged
-    first = tuple(j for j in range(idx + 1, mesh.ndim) if _splits(placements[j], shard_dim))
-    dp_dims = frozenset(spmd.shard_indices + spmd.replicate_indices)
+def _rows_within_model_shards(layout: SpmdLayout, ragged: Placement) -> SpmdLayout:
+    """The model-parallel dims after the parameter-major placement that split the rows,
+    moved before it on the same ranks' mesh (see [Note: Model-parallel parameters on the
+    parameter-major layout] in ragged.py): its rows are then rows of their shard."""
+    placements = layout.placements
+    at = next(i for i, pl in enumerate(placements) if pl is ragged)
+    first = tuple(j for j in range(at + 1, len(placements)) if _splits(placements[j], 0))
     if not first:
-        return SpmdLayout(mesh, tuple(new), dp_dims)
-    order = (*first, *(j for j in range(mesh.ndim) if j not in first))
-    return SpmdLayout(reordered_mesh(mesh, order), tuple(new[j] for j in order), dp_dims)
+        return layout
+    order = (*first, *(j for j in range(len(placements)) if j not in first))
+    return SpmdLayout(reordered_mesh(layout.mesh, order), tuple(placements[j] for j in order),
+                      layout.dp_dims)
 
 
 def _splits(placement: Placement, dim: int) -> bool:

@@ -35,9 +35,8 @@ the existing process groups, none made), placements ``(Shard(0), ...,
 RaggedShard)``; otherwise on the (dp, tp) mesh, ``(RaggedShard, ...)``.
 ``full_tensor()``, DCP's offsets and redistribution then need nothing new
 (upstream names the same layout with its strided placement on (dp, tp)). On
-a ``dp_mesh_dims`` mesh the model-parallel dims after the shard dim that
-split dim 0 move before it the same way (``reordered_mesh``); with several
-(flattened) shard dims that case is refused by name. Loading a value of another layout takes this rank's model-parallel
+a ``dp_mesh_dims`` mesh the model-parallel dims after the (flattened) shard
+dim that split dim 0 move before it the same way (``reordered_mesh``). Loading a value of another layout takes this rank's model-parallel
 part of the full value first (``_model_parallel_local``, cut locally), then
 its rows.
 
