@@ -88,17 +88,20 @@ def gather_inputs(
     return rows, hooked
 
 
-def agree_on_inputs(fsdp_params: list[FSDPParam], group: dist.ProcessGroup | None) -> None:
+def agree_on_inputs(
+    fsdp_params: list[FSDPParam], group: dist.ProcessGroup | None, device: torch.device
+) -> None:
     """Before a subclass parameter's first collective on this layout: every rank's pre-hook
     inputs qualify, or every rank raises (see [Note: Subclasses on the parameter-major
-    layout] in extensions.py). ``group``: ``None`` for a shard group of one rank."""
+    layout] in extensions.py). ``group``: ``None`` for a shard group of one rank;
+    ``device``: the group's (NCCL takes no host tensor)."""
     pending = [p.extension for p in fsdp_params
                if p.extension is not None and p.extension.rows is not None
                and (not p.extension.agreed or group is None)]
     if not pending:
         return
     local = next((e.problem for e in pending if e.problem is not None), None)
-    flag = torch.tensor([int(local is not None)])
+    flag = torch.tensor([int(local is not None)], device=device)
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():

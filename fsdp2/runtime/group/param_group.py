@@ -370,7 +370,7 @@ class FSDPParamGroup:
             self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
         )
         group = None if self.alone else self.mesh_info.shard_process_group
-        ragged_staged.agree_on_inputs(self.fsdp_params, group)
+        ragged_staged.agree_on_inputs(self.fsdp_params, group, self.device)
         self.step.pending_staged = ragged_staged.all_gather(
             self.fsdp_params, rows, hook_inputs, self.dtypes.param or self.layout.dtype,
             self.device, self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
