@@ -49,7 +49,9 @@ group's ``MixedPrecisionPolicy`` and ``param_dtype`` (``None`` when it equals
 the parameter's dtype or that is not floating point: then the parameter's
 dtype), and the post hook runs in the caller's grad mode (enabled in forward),
 so a hook writing ``out=`` a parameter that requires grad must do so under
-``no_grad`` or through ``.data``. [Note: Subclasses on the parameter-major layout]
+``no_grad`` or through ``.data``.
+
+[Note: Subclasses on the parameter-major layout]
 On a ``RaggedShard`` group a subclass parameter's local tensor is its run of
 rows (``new_zeros`` of that size, ``copy_`` of ``narrow``-ed rows: ops any
 such subclass implements), outside the group's buffer as on the dim-0 layout.
@@ -60,8 +62,8 @@ and hands the post hook each rank's rows without the padding: the whole
 parameter, as on one process. Before the first collective of such a
 parameter the ranks agree that every rank's inputs qualify (one all-reduce),
 so a hook that does not raises on every rank instead of leaving the others
-in the collective. Its first post hook's tensor is the
-unsharded parameter (the group's buffer keeps an unused place for it).
+in the collective. Its first post hook's tensor is the unsharded parameter
+(the group's buffer keeps an unused place for it).
 
 Subclass parameters live outside the group's flat buffer (see
 [Note: Sharded parameter storage] in param.py), so a group with one needs a
