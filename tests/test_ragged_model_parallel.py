@@ -144,18 +144,15 @@ def _state_dicts(rank, world_size):
     target = _tp_model(mesh, dp_mesh, 6, ragged=True)
     target.load_state_dict({k: v.full_tensor() for k, v in source.state_dict().items()})
     check(target, "full tensors")
-    dcp.save(source.state_dict(), checkpoint_id=launch_dir("dim0"))
-    target = _tp_model(mesh, dp_mesh, 7, ragged=True)
-    state = target.state_dict()
-    dcp.load(state, checkpoint_id=launch_dir("dim0"))
-    target.load_state_dict(state)
-    check(target, "DCP from dim-0")
-    dcp.save(target.state_dict(), checkpoint_id=launch_dir("ragged"))
-    back = _tp_model(mesh, dp_mesh, 8, ragged=False)
-    state = back.state_dict()
-    dcp.load(state, checkpoint_id=launch_dir("ragged"))
-    back.load_state_dict(state)
-    check(back, "DCP to dim-0")
+    for saved, ragged, seed in ((source, True, 7), (None, False, 8)):  # dim-0 -> ragged -> dim-0
+        saved = saved if saved is not None else target
+        folder = launch_dir(f"from-seed-{seed}")
+        dcp.save(saved.state_dict(), checkpoint_id=folder)
+        target = _tp_model(mesh, dp_mesh, seed, ragged=ragged)
+        state = target.state_dict()
+        dcp.load(state, checkpoint_id=folder)
+        target.load_state_dict(state)
+        check(target, f"DCP into {'ragged' if ragged else 'dim-0'}")
 
 
 def _refusals(rank, world_size):
