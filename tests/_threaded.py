@@ -128,3 +128,23 @@ def run_threads(
         raise RankError(f"{getattr(fn, '__name__', fn)} failed on world_size={world_size} "
                         "(threaded process group):\n" + "\n".join(messages))
     return results
+
+
+def _spawned_run(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> Any:
+    return run_threads(fn, world_size, *args, timeout=timeout)
+
+
+def run_threads_spawned(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[Any]:
+    """``run_threads`` in a fresh (spawned) interpreter; returns its results or raises its error.
+
+    Autograd on thread ranks leaves a process unable to fork ranks later (torch's
+    CUDA builds refuse), and thread ranks in a *forked* child share its
+    fork-inherited thread pools (a segfault, seen once): suites that fork ranks
+    run their thread worlds this way. ``fn`` must be importable (module level).
+    """
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(_spawned_run, (fn, world_size, args, timeout)).get(timeout + 60)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only, fully_shard
 from _multiproc import launch_dir
-from _threaded import run_threads
+from _threaded import run_threads_spawned
 from checks import check_case, record_collectives, train_alone
 from models import build_transformer, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
@@ -419,12 +419,6 @@ def _eight_ranks(rank, world_size, base):
     _check_parity(rank, world_size, base, (4, 2), OPTIMS["adamw"], exact=False)
 
 
-def _on_threads(rank, world_size):
-    # in a child process: autograd on thread ranks leaves the parent unable to fork ranks later
-    run_threads(_eight_ranks, 8, build_transformer(seed=22))
-
-
-def test_eight_ranks_on_threads(launch_cases):
+def test_eight_ranks_on_threads():
     """W=8 as 2x4 and 4x2 on torch's threaded process group (one process, eight thread ranks)."""
-    ok, outcome = launch_cases.run(_on_threads, 1)
-    assert ok, outcome
+    run_threads_spawned(_eight_ranks, 8, build_transformer(seed=22))

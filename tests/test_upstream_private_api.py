@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from _impl import fully_shard
 from _multiproc import run_ranks
-from _threaded import run_threads
+from _threaded import run_threads_spawned
 from checks import on_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
@@ -119,19 +119,22 @@ def _reduce_through_private_names(rank, world_size):
     return results
 
 
-def _on_threads(fn, world_size):
-    """``run_threads`` in a child process: autograd on thread ranks leaves the process
-    unable to fork ranks later (torch's CUDA builds), and later tests fork."""
-    return run_ranks(_threads, 1, fn, world_size)[0]
+def _thread_cases(rank, world_size):
+    cases = {"names": _names, "misuse": _misuse, "reduce": _reduce_through_private_names}
+    return {name: case(rank, world_size) for name, case in cases.items()}
 
 
-def _threads(rank, world_size, fn, thread_ranks):
-    return run_threads(fn, thread_ranks)
+@pytest.fixture(scope="module")
+def on_threads():
+    """Each thread case's results on one 2-rank threaded world (``run_threads_spawned``: a
+    fresh interpreter, since this suite forks ranks after it)."""
+    results = run_threads_spawned(_thread_cases, 2)
+    return lambda name: [per_rank[name] for per_rank in results]
 
 
-def test_state_names_match_upstream():
+def test_state_names_match_upstream(on_threads):
     """fully_shard.state, _lazy_init, _is_root, _state_ctx.all_states, FQNs: upstream's values."""
-    for names in _on_threads(_names, 2):
+    for names in on_threads("names"):
         assert names == {
             "": ["1.0.bias", "1.0.weight", "1.2.bias", "1.2.weight"],
             "0.0": ["0.0.bias", "0.0.weight"],
@@ -139,9 +142,9 @@ def test_state_names_match_upstream():
         }
 
 
-def test_lazy_init_misuse_raises_upstreams_errors():
+def test_lazy_init_misuse_raises_upstreams_errors(on_threads):
     """A sub-module's lazy init before the root's, and a root of several modules: upstream's text."""
-    for errors in _on_threads(_misuse, 2):
+    for errors in on_threads("misuse"):
         assert errors == [
             ["FSDP state has already been lazily initialized for 0.0",
              "FSDP requires running forward through the root module first"],
@@ -149,10 +152,10 @@ def test_lazy_init_misuse_raises_upstreams_errors():
         ]
 
 
-def test_reducing_through_the_private_names_as_torch_pipelining_does():
+def test_reducing_through_the_private_names_as_torch_pipelining_does(on_threads):
     """Backwards without sync, then each group's post_backward and the root's final callback:
     upstream's gradients bit for bit (a synced step's up to the order of the sums)."""
-    for grads in _on_threads(_reduce_through_private_names, 2):
+    for grads in on_threads("reduce"):
         for ours, theirs, synced in zip(grads["manual"], grads["upstream"], grads["synced"]):
             assert torch.equal(ours, theirs)
             torch.testing.assert_close(ours, synced)
