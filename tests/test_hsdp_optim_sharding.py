@@ -26,7 +26,7 @@ from _impl import fsdp2_only, fully_shard
 from _multiproc import launch_dir
 from _threaded import run_threads_spawned
 from checks import check_case, record_collectives, train_alone
-from models import build_transformer, full, rank_slice, shard_transformer
+from models import build_transformer, full, mlp_batch, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -270,6 +270,39 @@ def _param_major(rank, world_size):
     _assert_equal(_fulls(model, h), _fulls(dim0, d_h))
 
 
+def _param_major_dtypes(rank, world_size):
+    """A RaggedShard call of several dtypes (trainable fp32, frozen bf16 / float64 / int8: one
+    group per dtype) slices its state like plain HSDP steps it, bit for bit; a dim-0 group
+    of several dtypes (one uint8 buffer) is refused."""
+    from test_mixed_dtypes import _build
+    from test_mixed_dtypes import _loss as mixed_loss
+
+    runs = []
+    for sliced in (False, True):
+        model = _build()
+        for module in (*model.blocks, model):
+            fully_shard(module, mesh=_mesh(), shard_placement_fn=lambda p: fsdp2.RaggedShard())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        if sliced:
+            fsdp2.enable_local_shard_step(opt, shard_across_replicas=True)
+        for step in range(2):
+            mixed_loss(model, rank_slice(mlp_batch(step, 2 * world_size), rank, world_size)
+                       ).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append({n: p.full_tensor() for n, p in model.named_parameters()})
+    for name, value in runs[0].items():
+        assert torch.equal(value, runs[1][name]), name
+    dim0 = _build()
+    for module in (*dim0.blocks, dim0):
+        fully_shard(module, mesh=_mesh())
+    opt = torch.optim.AdamW([p for p in dim0.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.raises(NotImplementedError, match="in a group of several dtypes"):
+        fsdp2.enable_local_shard_step(opt, shard_across_replicas=True)
+        mixed_loss(dim0, rank_slice(mlp_batch(0, 2 * world_size), rank, world_size)).backward()
+        opt.step()
+
+
 def _remove(rank, world_size):
     """handle.remove() gathers the slices' state back: plain HSDP from there, bit-identical."""
     (plain, p_opt, p_h), (model, opt, h) = _pair(23, _mesh(), OPTIMS["adamw"])
@@ -351,12 +384,19 @@ CASES = {
     "remove": _remove,
     "refusals": _refusals,
     "param_major": _param_major,
+    "param_major_dtypes": _param_major_dtypes,
 }
 
 
 def test_parameter_major_layout(launch_cases):
     """RaggedShard groups: bitwise to plain HSDP on them; DCP into dim-0 plain HSDP."""
     check_case(launch_cases(4, CASES), "param_major")
+
+
+def test_parameter_major_groups_of_several_dtypes(launch_cases):
+    """A RaggedShard call of several dtypes (a group per dtype): bitwise to plain HSDP;
+    refused on a dim-0 group of several dtypes."""
+    check_case(launch_cases(4, CASES), "param_major_dtypes")
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
