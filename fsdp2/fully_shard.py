@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from ._torch_compat import composable_apis, mark_composable_api
 from .api import (
@@ -30,6 +29,7 @@ from .runtime.hooks.state import FSDPState, state_of
 from .runtime.meshes.dp_mesh_dims import (
     SpmdDims,
     SpmdLayout,
+    rows_within_model_shards,
     spmd_dims_for,
     spmd_layout,
 )
@@ -41,7 +41,6 @@ from .runtime.meshes.mesh import (
     mesh_info_for,
     post_forward_mesh_info,
     spmd_mesh_for,
-    tp_major_mesh,
 )
 from .runtime.meshes.param_meshes import MeshGroup, group_by_mesh, split_by_dtype
 from .runtime.storage.param import FSDPParam
@@ -263,7 +262,7 @@ def _make_group(
     fsdp_params = [
         FSDPParam(
             p, owners[p], mesh_info, names[p], shard_dims[p], spmd_meshes.get(p),
-            **_layout_kwargs(layouts.get(p), spmd is not None),
+            **_layout_kwargs(layouts.get(p)),
             rows=ragged[p][0] if p in ragged else None,
         )
         for p in params
@@ -284,10 +283,6 @@ def _make_group(
     )
 
 
-def _tp_placements(param: nn.Parameter) -> tuple[Placement, ...]:
-    return tuple(param.placements) if isinstance(param, DTensor) else ()
-
-
 def _ragged_layout(
     param: nn.Parameter, placement: RaggedShard, spmd_mesh: DeviceMesh | None,
     mesh_info: FSDPMeshInfo,
@@ -296,12 +291,10 @@ def _ragged_layout(
     tensor-parallel ones; TP dims that split its rows first (see [Note: Model-parallel
     parameters on the parameter-major layout] in runtime/storage/ragged.py)."""
     dp = ((Replicate(),) if mesh_info.is_hsdp else ()) + (placement,)
-    tp = _tp_placements(param)
     if spmd_mesh is None:
         return SpmdLayout(mesh_info.mesh, dp, frozenset())
-    if any(_splits_rows(pl) for pl in tp):
-        return SpmdLayout(tp_major_mesh(spmd_mesh, len(dp)), (*tp, *dp), frozenset())
-    return SpmdLayout(spmd_mesh, (*dp, *tp), frozenset())
+    layout = SpmdLayout(spmd_mesh, (*dp, *param.placements), frozenset())
+    return rows_within_model_shards(layout, placement)
 
 
 def _ragged_rows(
@@ -344,10 +337,6 @@ def _ragged_rows(
     )
     return {p: (r, RaggedShard(requests[p].granularity, r.row_bounds)) for p, r in zip(params, rows)}
 
-
-def _splits_rows(placement: Placement) -> bool:
-    """Whether a model-parallel placement splits dim 0 (plain or strided)."""
-    return isinstance(placement, Shard) and placement.dim == 0
 
 
 def _no_deepcopy(self: nn.Module, memo: dict) -> Any:
@@ -517,11 +506,9 @@ def _spmd_meshes(params: list[nn.Parameter], dp_mesh: DeviceMesh) -> dict[nn.Par
     return out
 
 
-def _layout_kwargs(layout: SpmdLayout | None, on_spmd_mesh: bool = True) -> dict[str, Any]:
+def _layout_kwargs(layout: SpmdLayout | None) -> dict[str, Any]:
     if layout is None:
         return {}
-    if not on_spmd_mesh:  # a parameter-major placement on the call's (and TP's) mesh
-        return {"placements": layout.placements}
     return {"placements": layout.placements, "dp_dims": layout.dp_dims}
 
 

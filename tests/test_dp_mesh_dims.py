@@ -149,15 +149,21 @@ def _parity(sizes, names, dims_kw, tp=False, **kwargs):
             _train_on_dtensor_inputs(model, copy.deepcopy(ref), mesh, dims, check_ref)
             for model in (ours, theirs)
         ]
-        (losses, grads, params), (up_losses, up_grads, up_params) = results
-        assert all(torch.equal(a, b) for a, b in zip(losses, up_losses)), (losses, up_losses)
-        for step, (g, up_g) in enumerate(zip(grads, up_grads)):
-            for name in g:
-                assert torch.equal(g[name], up_g[name]), (step, name)
-        for name in params:
-            assert torch.equal(params[name], up_params[name]), name
+        assert_same_run(*results)
 
     return case
+
+
+def assert_same_run(run, other) -> None:
+    """Two ``_train_on_dtensor_inputs`` results: losses, every step's gradients and the
+    parameters, to the bit."""
+    (losses, grads, params), (o_losses, o_grads, o_params) = run, other
+    assert all(torch.equal(a, b) for a, b in zip(losses, o_losses)), (losses, o_losses)
+    for step, (g, o_g) in enumerate(zip(grads, o_grads)):
+        for name in g:
+            assert torch.equal(g[name], o_g[name]), (step, name)
+    for name in params:
+        assert torch.equal(params[name], o_params[name]), name
 
 
 # ---- bad input: upstream's class and message ----------------------------------------

@@ -79,13 +79,7 @@ def _spmd(sizes, names, dims_kw, tp=None):
             if extra:  # the shard dim carries the rows; the others are the parameter's own
                 weight = model.in_proj.weight
                 assert any(isinstance(pl, RaggedShard) for pl in weight.placements), weight
-        (losses, grads, params), (r_losses, r_grads, r_params) = runs
-        assert all(torch.equal(a, b) for a, b in zip(losses, r_losses)), (losses, r_losses)
-        for step, (g, r_g) in enumerate(zip(grads, r_grads)):
-            for name in g:
-                assert torch.equal(g[name], r_g[name]), (step, name)
-        for name in params:
-            assert torch.equal(params[name], r_params[name]), name
+        spmd_cases.assert_same_run(*runs)
 
     return case
 

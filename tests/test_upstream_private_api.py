@@ -87,6 +87,14 @@ def _misuse(rank, world_size):
     return errors
 
 
+def _two_blocks(shard, mesh) -> nn.Sequential:
+    """Two MLP blocks and the root, each sharded by ``shard`` (fsdp2's or upstream's)."""
+    model = nn.Sequential(_mlp(0), _mlp(1))
+    for block in model:
+        shard(block, mesh=mesh)
+    return shard(model, mesh=mesh)
+
+
 def _reduce_through_private_names(rank, world_size):
     """What torch 2.13's PipelineStage.perform_reduce_grad does after no-sync backwards,
     on the implementation under test and on upstream's; and an ordinary synced run."""
@@ -94,10 +102,7 @@ def _reduce_through_private_names(rank, world_size):
     results = {}
     for name, shard, manual in (("synced", fully_shard, False), ("manual", fully_shard, True),
                                 ("upstream", upstream_fully_shard, True)):
-        model = nn.Sequential(_mlp(0), _mlp(1))
-        for block in model:
-            shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
+        model = _two_blocks(shard, mesh)
         gen = torch.Generator().manual_seed(rank)
         batches = [torch.randn(4, 8, generator=gen) for _ in range(2)]
         if manual:
@@ -168,10 +173,7 @@ def _async_unshard(rank, world_size):
     out = {}
     for name, shard, switch in (("plain", fully_shard, False), ("async", fully_shard, True),
                                 ("upstream", upstream_fully_shard, True)):
-        model = nn.Sequential(_mlp(0), _mlp(1))
-        for block in model:
-            shard(block, mesh=mesh, reshard_after_forward=True)
-        shard(model, mesh=mesh)
+        model = _two_blocks(shard, mesh)  # blocks reshard after forward (the default)
         if switch:
             model._set_unshard_async_op(True)  # recursive, as upstream
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -208,10 +208,10 @@ def spmd_layout(
         layout = SpmdLayout(mesh, tuple(new), dp_dims)
     else:
         layout = _flattened_layout(spmd, new, dp_dims)
-    return layout if ragged is None else _rows_within_model_shards(layout, ragged)
+    return layout if ragged is None else rows_within_model_shards(layout, ragged)
 
 
-def _rows_within_model_shards(layout: SpmdLayout, ragged: Placement) -> SpmdLayout:
+def rows_within_model_shards(layout: SpmdLayout, ragged: Placement) -> SpmdLayout:
     """The model-parallel dims after the parameter-major placement that split the rows,
     moved before it on the same ranks' mesh (see [Note: Model-parallel parameters on the
     parameter-major layout] in ragged.py): its rows are then rows of their shard."""

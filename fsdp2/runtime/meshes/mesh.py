@@ -201,12 +201,6 @@ def reordered_mesh(mesh: DeviceMesh, order: tuple[int, ...]) -> DeviceMesh:
     return meshes[order]
 
 
-def tp_major_mesh(spmd_mesh: DeviceMesh, dp_ndim: int) -> DeviceMesh:
-    """``spmd_mesh`` (``dp_ndim`` data-parallel dims, then tensor-parallel ones) with the
-    tensor-parallel dims first."""
-    return reordered_mesh(spmd_mesh, (*range(dp_ndim, spmd_mesh.ndim), *range(dp_ndim)))
-
-
 def device_for(mesh: DeviceMesh) -> torch.device:
     """The device parameters live on: CPU, or this rank's current accelerator."""
     if mesh.device_type == "cpu":

@@ -211,7 +211,7 @@ class ExtensionState:
                     f"{[tuple(x.shape) for x in inputs]}; return None from "
                     "shard_placement_fn for it (the dim-0 layout)"
                 )
-                t = t.reshape(-1)[:0].new_zeros(most)  # same sizes on every rank until then
+                t = t.new_zeros(most)  # a placeholder: the ranks raise before sending it
             elif most > t.size(0):
                 t = torch.cat([t, t.new_zeros(most - t.size(0), *t.shape[1:])])
             out.append(t)

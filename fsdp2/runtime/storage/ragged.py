@@ -28,17 +28,17 @@ whole, and the sharded DTensor lives on the (data-parallel, model-parallel)
 mesh with the ``RaggedShard`` on the data-parallel dim beside the
 parameter's own placements. DTensor applies a mesh's placements in mesh
 order, and the rows are rows of the model-parallel shard: nested sharding
-in that order. So where a tensor-parallel placement splits dim 0
-(``ColwiseParallel``), the sharded DTensor lives on the same ranks' mesh
-with the tp dims first (``tp_major_mesh``: ``DeviceMesh.from_group`` over
-the existing process groups, none made), placements ``(Shard(0), ...,
-RaggedShard)``; otherwise on the (dp, tp) mesh, ``(RaggedShard, ...)``.
-``full_tensor()``, DCP's offsets and redistribution then need nothing new
-(upstream names the same layout with its strided placement on (dp, tp)). On
-a ``dp_mesh_dims`` mesh the model-parallel dims after the (flattened) shard
-dim that split dim 0 move before it the same way (``reordered_mesh``). Loading a value of another layout takes this rank's model-parallel
-part of the full value first (``_model_parallel_local``, cut locally), then
-its rows.
+in that order. So where a model-parallel placement after the data-parallel
+one splits dim 0 (``ColwiseParallel``; on a ``dp_mesh_dims`` mesh, after the
+(flattened) shard dim), that dim moves first, on the same ranks' mesh
+(``rows_within_model_shards`` in dp_mesh_dims.py, ``reordered_mesh``:
+``DeviceMesh.from_group`` over the existing process groups, none made):
+placements ``(Shard(0), ..., RaggedShard)``; otherwise ``(RaggedShard, ...)``
+on the (dp, tp) mesh. ``full_tensor()``, DCP's offsets and redistribution
+then need nothing new (upstream names the same layout with its strided
+placement on (dp, tp)). Loading a value of another layout takes this rank's
+model-parallel part of the full value first (``_model_parallel_local``, cut
+locally), then its rows.
 
 ``RaggedRows`` (ragged_rows.py) answers what ``ShardLayout`` answers for
 ``torch.chunk`` (local rows, local size, the slot size) so ``FSDPParam``
