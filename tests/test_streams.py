@@ -11,9 +11,17 @@ import os
 
 import pytest
 import torch
-from checks import TorchAllGather, bind_row_hooks, check_case, train_alone, train_steps
+from checks import (
+    TorchAllGather,
+    bind_row_hooks,
+    check_case,
+    train_alone,
+    train_steps,
+)
 from models import (
+    assert_params_match,
     build_chain,
+    build_transformer,
     chain_batch,
     expert_parallel,
     make_pair,
@@ -24,7 +32,10 @@ from models import (
     rank_slice,
     shard_chain,
     shard_moe,
+    shard_transformer,
     toy_moe,
+    transformer_batch,
+    transformer_loss,
 )
 from stream_checker import StreamChecker
 from torch.distributed.device_mesh import init_device_mesh
@@ -334,8 +345,38 @@ def _two_meshes_one_call(rank, world_size):
     torch.testing.assert_close(params, want_params, rtol=0, atol=0)
 
 
+def _tensor_parallel(rank, world_size):
+    """FSDP x TP (2 x 2, ColwiseParallel and RowwiseParallel) on both layouts: no race, the
+    reference's training; each layout's own wait left out is a race the checker reports."""
+    import test_tensor_parallel as tp_cases
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh, dp_mesh = tp_cases._meshes(("dp",))
+    dp_rank, dp_size = tp_cases._dp_rank(dp_mesh), dp_mesh.size()
+    batches = [transformer_batch(step, 2 * dp_size) for step in range(STEPS)]
+    layouts = {"all_gather->copy_out": {},
+               "compute->kept_output": {"shard_placement_fn": lambda p: RaggedShard()}}
+    for own_wait, layout in layouts.items():
+        for edge in (None, own_wait):
+            ref, model = make_pair(lambda: build_transformer(seed=21, hidden=12))
+            for layer in model.layers:
+                parallelize_module(layer, mesh["tp"], tp_cases.TP_PLAN)
+            shard_transformer(model, fully_shard, mesh=dp_mesh, **layout)
+            checker = StreamChecker(skip=edge)
+            with checker:
+                # one step shows a left-out wait
+                train_steps(None if edge else ref, model, batches[:1] if edge else batches,
+                            transformer_loss, dp_rank, dp_size)
+            if edge is None:
+                assert checker.errors == [], (layout, checker.errors[:5])
+                assert_params_match(ref, model)
+            else:
+                assert checker.errors, f"skipping {edge!r} went unnoticed ({layout})"
+
+
 MATRIX_W4 = {"default": _case(), "reshard_int": _reshard_int, "hsdp": _hsdp, "pipeline": _pipeline,
              "ragged": _case(shard_placement_fn=lambda p: RaggedShard()),
+             "tensor_parallel": _tensor_parallel,
              "replica_slices": _replica_slices,
              "hook_stream_cpu": _hook_stream_on_cpu, "two_meshes_one_call": _two_meshes_one_call}
 
