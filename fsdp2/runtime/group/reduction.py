@@ -109,6 +109,7 @@ from ..common.mixed_precision import GroupDtypes
 from ..meshes.mesh import FSDPMeshInfo
 from ..storage.buffer_order import BufferOrder
 from ..storage.param import FSDPParam
+from ..storage.sharded_grad import accumulate_sharded_grad, set_grad_dtype
 from . import replica_slices
 from .group_settings import ReductionSettings
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
@@ -260,7 +261,7 @@ class GradientReduction:
         if not ACCUMULATE_IN_GRAD_DTYPE or reduce_dtype is None:
             return
         for p in self.fsdp_params:
-            p.set_grad_dtype(reduce_dtype, defer, self.settings.reduce_grads)
+            set_grad_dtype(p.unsharded_param, reduce_dtype, defer, self.settings.reduce_grads)
 
     def take_grads(
         self, ran: Collection[nn.Module] | None
@@ -373,7 +374,9 @@ class GradientReduction:
                 and all(g.dtype == group_dtypes.orig for g in grads)
             ):  # the mean over one rank is the gradient itself
                 for p, grad in zip(fsdp_params, grads):
-                    p.accumulate_sharded_grad(grad if grad.is_contiguous() else grad.contiguous())
+                    accumulate_sharded_grad(
+                        p.sharded_param, grad if grad.is_contiguous() else grad.contiguous(), p.fqn
+                    )
                 return
             comm = effective(self.settings.reduce_scatter_comm) if not identity else None
             encoded = self.settings.grad_comm if not identity else None
@@ -425,7 +428,7 @@ class GradientReduction:
                 output = self._to_sharded_grad_storage(output, fsdp_params, shard_device)
             for p, local in zip(fsdp_params, self.order.sharded_grads(output, fsdp_params)):
                 if p not in unused:
-                    p.accumulate_sharded_grad(local)
+                    accumulate_sharded_grad(p.sharded_param, local, p.fqn)
 
     def _final_slot(
         self, fsdp_params: list[FSDPParam], numel: int, hsdp: bool

@@ -59,10 +59,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..._torch_compat import (
-    dtensor_like,
     dtensor_parameter,
     local_tensor,
-    post_accumulate_grad_hooks,
     set_local_tensor,
     set_requires_grad,
     strided_shard,
@@ -74,6 +72,7 @@ from .param_uid import original_uid
 from .ragged_rows import RaggedRows, same_placements
 from .shard_layout import ShardLayout
 from .shard_storage import alias_parameter, can_own_storage, own_storage
+from .sharded_grad import local_grad
 
 _MODULE_SETATTR = nn.Module.__setattr__
 
@@ -554,7 +553,7 @@ class FSDPParam:
         grad = None if param is None else param.grad
         if grad is not None:
             param.grad = None
-            grad = self._local_grad(grad)
+            grad = local_grad(grad, self.tp_spec, self.dp_dims)
         held, self._held_grad = self._held_grad, None
         if held is None:
             return grad
@@ -562,28 +561,12 @@ class FSDPParam:
             held.add_(grad)
         return held
 
-    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.tp_spec is None:
-            return grad
-        # TP may leave e.g. a Partial gradient; reduce it over TP first. Under
-        # dp_mesh_dims the data-parallel dims are left as they are: FSDP's own
-        # reduction handles them (a Partial there is reduced once, not twice).
-        target = self.tp_spec[1]
-        if self.dp_dims:
-            target = tuple(
-                mine if i in self.dp_dims else spec
-                for i, (mine, spec) in enumerate(zip(grad.placements, target, strict=True))
-            )
-        if tuple(grad.placements) != target:
-            grad = grad.redistribute(placements=target)
-        return local_tensor(grad)
-
     def zero_unsharded_grad(self) -> torch.Tensor | None:
         """A zero gradient in the unsharded parameter's layout, if it is trainable and gathered."""
         param = self.unsharded_param
         if param is None or not self.sharded_param.requires_grad:
             return None
-        return self._local_grad(torch.zeros_like(param))
+        return local_grad(torch.zeros_like(param), self.tp_spec, self.dp_dims)
 
     def negative_zero_grad(self) -> torch.Tensor | None:
         """``-0.0`` in the unsharded gradient's local layout, padded to whole chunks on dim 0.
@@ -607,53 +590,11 @@ class FSDPParam:
         if grad is None:
             return
         param.grad = None
-        grad = self._local_grad(grad)
+        grad = local_grad(grad, self.tp_spec, self.dp_dims)
         if self._held_grad is None:
             self._held_grad = grad.to(dtype)
         else:
             self._held_grad.add_(grad)
-
-    def set_grad_dtype(self, dtype: torch.dtype, defer: bool, reduce_grads: bool) -> None:
-        """torch >= 2.15: the dtype autograd accumulates the unsharded gradient in.
-
-        See [Note: Gradient accumulation dtype] in reduction.py. ``defer``
-        (pre-backward): a gradient that is about to be reduced, or that already
-        accumulates in ``dtype``, takes autograd's output as it comes; otherwise
-        (and after each post-backward) the gradient is kept in ``dtype`` and
-        autograd upcasts what it adds.
-        """
-        param = self.unsharded_param
-        if param is None or not param.requires_grad or param.dtype == dtype:
-            return
-        grad = param.grad
-        if defer and (grad is not None or reduce_grads):
-            param.grad_dtype = None
-            return
-        if grad is not None and grad.dtype != dtype:
-            param.grad_dtype = None
-            param.grad = grad.to(dtype)
-        param.grad_dtype = dtype
-
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Set or add this rank's reduced gradient rows on the sharded parameter."""
-        existing = self.sharded_param.grad
-        if existing is None:
-            self.sharded_param.grad = dtensor_like(self.sharded_param, local_grad)
-        elif not isinstance(existing, DTensor):
-            raise FSDPAssertionError(
-                "Expected fsdp_param.sharded_param.grad to be DTensor, got "
-                f"{type(existing)}\nParameter '{self.fqn}' has a plain tensor as .grad; FSDP "
-                "accumulates into sharded (DTensor) gradients: set .grad to None (e.g. "
-                "optimizer.zero_grad()) or to a DTensor like the parameter"
-            )
-        else:
-            local_tensor(existing).add_(local_grad)
-        # Autograd never accumulates into the sharded parameter itself, so its
-        # post-accumulate-grad hooks (e.g. an optimizer step in backward) run here.
-        hooks = post_accumulate_grad_hooks(self.sharded_param)
-        if hooks:
-            for hook in hooks:
-                hook(self.sharded_param)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, size={tuple(self.orig_size)}, {self.state.name})"
