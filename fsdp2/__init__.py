@@ -18,7 +18,8 @@ from .fsdp1.wrap import shard_model
 from .fully_shard import fully_shard
 from .handles import GradientReductionHandle, UnshardHandle
 from .integrations.patch import TorchPatch, patch_torch
-from .module import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from .module import FSDPModule
+from .module_functions import register_fsdp_forward_method, share_comm_ctx
 from .optim import OptimizerOffloadPolicy
 from .optim.clip_grad import clip_grad_norm_
 from .optim.default_step import disable_flat_step, set_flat_step_default

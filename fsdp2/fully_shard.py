@@ -20,7 +20,8 @@ from .api import (
     resolve_policies,
 )
 from .errors import FSDPAssertionError, FSDPNotImplementedError
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle
+from .module_functions import register_fsdp_forward_method
 from .runtime.comm.comm_context import CommContext
 from .runtime.common.mixed_precision import keeps_own_dtype
 from .runtime.group.arenas import join_arenas

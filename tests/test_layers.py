@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint", "optim", "fsdp1", "integrations", "quant"),  # tools on the public surface
     ("upstream_names",),  # upstream's private names on the wrapping's and engine's objects
     ("fully_shard",),
+    ("module_functions",),  # register_fsdp_forward_method, share_comm_ctx
     ("module",),  # FSDPModule, the control surface
     ("handles",),
     ("runtime",),  # the engine's package docstring

@@ -56,10 +56,10 @@ _active = 0
 
 
 def _replacements() -> dict[str, object]:
-    from .. import api, handles, module
+    from .. import api, handles, module, module_functions
     from ..fully_shard import fully_shard
 
-    homes = (module, api, handles)
+    homes = (module, module_functions, api, handles)
     found = {name: getattr(m, name) for m in homes for name in PATCHED_NAMES if hasattr(m, name)}
     return {"fully_shard": fully_shard, **found}
 
