@@ -3,7 +3,7 @@
 ``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule,
 original class)``, so every method here is available on the module itself.
 The setters only record a choice, on the module's FSDP state or through the
-``set_*`` methods of its parameter group and of the group's gradient
+methods of its parameter group (``update_settings``) and of the group's gradient
 reduction (see group_settings.py); the hooks read it on the next use. Methods taking ``recurse`` apply to
 every FSDP module in the subtree; the others to this module's group only.
 """
@@ -211,7 +211,7 @@ class FSDPModule:
         for state in self._states(recurse):
             state.auto_reshard_after_forward = False
             for group in state.param_groups:
-                group.set_reshard_after_forward(reshard_after_forward)
+                group.update_settings(reshard_after_forward=reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -225,7 +225,7 @@ class FSDPModule:
         _check_bool(reshard_after_backward, "set_reshard_after_backward", "reshard_after_backward")
         _check_bool(recurse, "set_reshard_after_backward", "recurse")
         for group in self._groups(recurse):
-            group.set_reshard_after_backward(reshard_after_backward)
+            group.update_settings(reshard_after_backward=reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward all-gathers this module's parameters (not recursive).
@@ -235,7 +235,7 @@ class FSDPModule:
         """
         _check_bool(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
         for group in self._groups(recurse=False):
-            group.set_unshard_in_backward(unshard_in_backward)
+            group.update_settings(unshard_in_backward=unshard_in_backward)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Upstream's private switch (recursive): with ``True`` the hooks' and prefetches'
@@ -243,7 +243,7 @@ class FSDPModule:
         all-gather streams (no inter-stream fragmentation; overlap needs explicit
         prefetching). The same values either way."""
         for group in self._groups(recurse=True):
-            group.set_unshard_async_op(bool(async_op))  # upstream takes any truthy value
+            group.update_settings(unshard_async_op=bool(async_op))  # upstream takes any truthy value
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step (default ``True``).
@@ -472,7 +472,7 @@ class FSDPModule:
         check_one_group(self._fsdp_state().param_groups, "set_custom_all_gather", "custom comm")
         check_comm(comm, "set_custom_all_gather")
         for group in self._groups(recurse=False):
-            group.set_all_gather_comm(comm)
+            group.update_settings(all_gather_comm=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this module's gradient reduce-scatters through ``comm``.

@@ -162,12 +162,12 @@ def use_process_group_memory(group: Any, enable: bool) -> None:
         "reduce scatter",
     )
     if not enable:
-        group.set_all_gather_comm(None)
+        group.update_settings(all_gather_comm=None)
         reduction.set_reduce_scatter_comm(None)
         return
     device = group.device
-    group.set_all_gather_comm(
-        ProcessGroupAllocAllGather(group.mesh_info.shard_process_group, device)
+    group.update_settings(
+        all_gather_comm=ProcessGroupAllocAllGather(group.mesh_info.shard_process_group, device)
     )
     reduction.set_reduce_scatter_comm(
         ProcessGroupAllocReduceScatter(reduction.reduce_scatter_group, device)
@@ -185,7 +185,7 @@ def use_symm_mem(group: Any, backend: str) -> None:
         return  # symmetric memory is CUDA memory: nothing to allocate elsewhere
     all_gather_group = group.mesh_info.shard_process_group
     dist.barrier(group=all_gather_group)  # NCCL communicators must exist before the rendezvous
-    group.set_all_gather_comm(SymmMemAllGather(all_gather_group))
+    group.update_settings(all_gather_comm=SymmMemAllGather(all_gather_group))
     reduction = group.reduction
     check_not_custom(
         reduction.settings.reduce_scatter_comm, SymmMemReduceScatter, method, "reduce scatter"

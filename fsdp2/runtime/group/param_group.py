@@ -13,7 +13,7 @@ it gathers (``UnshardSettings``, group_settings.py). What forward and
 backward do to it is its ``StepState`` (step_state.py); reducing its
 gradients is its ``GradientReduction`` (``group.reduction``, reduction.py),
 which keeps the gradient settings. ``FSDPModule``'s setters go through the
-``set_*`` methods of the group and of its reduction.
+group's ``update_settings`` and ``set_*`` methods, and its reduction's.
 
 [Note: Resharding to a smaller group after forward]
 With ``reshard_after_forward=k`` the post-forward reshard keeps, instead of
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -131,27 +132,15 @@ class FSDPParamGroup:
 
     # ---- settings (FSDPModule's setters) -------------------------------------------
 
-    def set_reshard_after_forward(self, enabled: bool) -> None:
-        self.settings = replace(self.settings, reshard_after_forward=enabled)
-
-    def set_reshard_after_backward(self, enabled: bool) -> None:
-        self.settings = replace(self.settings, reshard_after_backward=enabled)
-
-    def set_unshard_in_backward(self, enabled: bool) -> None:
-        self.settings = replace(self.settings, unshard_in_backward=enabled)
-
-    def set_unshard_async_op(self, enabled: bool) -> None:
-        self.settings = replace(self.settings, unshard_async_op=enabled)
+    def update_settings(self, **changes: Any) -> None:
+        """FSDPModule's setters: new values for ``UnshardSettings``' fields (group_settings.py)."""
+        self.settings = replace(self.settings, **changes)
 
     def _unshard_for_use(self, prefetch: bool = False) -> None:
         """The hooks' unshard: on the all-gather streams, or (``unshard_async_op``) as an
         async collective on the current stream; a prefetch is always async."""
         on_current = self.settings.unshard_async_op
         self.unshard(async_op=prefetch or on_current, on_comm_streams=not on_current)
-
-    def set_all_gather_comm(self, comm: staged_collectives.AllGather | None) -> None:
-        """A custom or built-in all-gather comm; ``None``: the default collective."""
-        self.settings = replace(self.settings, all_gather_comm=comm)
 
     def set_keep_unsharded_storage(self, keep: bool) -> None:
         for p in self.fsdp_params:
@@ -535,21 +524,6 @@ class FSDPParamGroup:
         with record_function(name, self.module_fqn):
             self._unshard_for_use(prefetch=True)
 
-    def record_module_run(self, module: nn.Module, starts_use: bool) -> set[nn.Module] | None:
-        """Note that ``module`` runs in this use; returns the use's modules (groups of several)."""
-        if len(self.modules) == 1:
-            return None
-        step = self.step
-        if starts_use or step.use is None:
-            step.use = set()
-        step.use.add(module)
-        return step.use
-
-    def add_use_without_node(self, use: set[nn.Module] | None) -> None:
-        """A use whose inputs need no grad: its gradients are reduced at the end of backward."""
-        if use is not None:
-            self.step.uses_without_node.append(use)
-
     def post_backward(self, use: set[nn.Module] | None = None) -> None:
         """Reshard and reduce-scatter the gradients of this use of the group.
 
@@ -557,7 +531,7 @@ class FSDPParamGroup:
         several modules; ``None``: every use not reduced yet).
         """
         logger.debug("post_backward %s", self.module_fqn)
-        ran = self._take_use(use)
+        ran = self.step.take_use(use, several=len(self.modules) > 1)
         self.step.training_state = TrainingState.POST_BACKWARD
         reduce_grads = self.reduction.settings.reduce_grads
         fqn = self.module_fqn
@@ -589,15 +563,6 @@ class FSDPParamGroup:
                 self.reduction.reduce_scatter(
                     with_grad, grads, filled, self.sharded_flat.device, self.module_fqn
                 )
-
-    def _take_use(self, use: set[nn.Module] | None) -> set[nn.Module] | None:
-        """The modules whose parameters a post-backward may fill (``None``: all)."""
-        if len(self.modules) == 1 or use is not None:
-            return use
-        uses = self.step.uses_without_node
-        ran = set().union(*uses)
-        uses.clear()
-        return ran
 
     def end_backward(self, defer_reduction: bool = False) -> None:
         """Autograd finished a backward: run the post-backward it did not reach.

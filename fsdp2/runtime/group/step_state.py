@@ -63,3 +63,28 @@ class StepState:
     # Gradients held unreduced (sync off) or not reached by autograd under
     # manual finalization: FSDPModule.finalize_backward reduces them.
     post_backward_pending: bool = False
+
+    def record_module_run(
+        self, module: nn.Module, starts_use: bool, several: bool
+    ) -> set[nn.Module] | None:
+        """Note that ``module`` runs in this use; returns the use's modules (groups of
+        ``several`` modules; else None)."""
+        if not several:
+            return None
+        if starts_use or self.use is None:
+            self.use = set()
+        self.use.add(module)
+        return self.use
+
+    def add_use_without_node(self, use: set[nn.Module] | None) -> None:
+        """A use whose inputs need no grad: its gradients are reduced at the end of backward."""
+        if use is not None:
+            self.uses_without_node.append(use)
+
+    def take_use(self, use: set[nn.Module] | None, several: bool) -> set[nn.Module] | None:
+        """The modules whose parameters a post-backward may fill (``None``: all)."""
+        if not several or use is not None:
+            return use
+        ran = set().union(*self.uses_without_node)
+        self.uses_without_node.clear()
+        return ran

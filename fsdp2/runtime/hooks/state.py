@@ -231,7 +231,7 @@ class FSDPState:
             # The root is needed first in backward; resharding it would only
             # cost an extra all-gather.
             for group in self.param_groups:
-                group.set_reshard_after_forward(False)
+                group.update_settings(reshard_after_forward=False)
         groups = [g for s in ctx.all_states for g in s.param_groups]
         devices = {g.device for g in groups}
         if len(devices) == 1 and next(iter(devices)).type != "cpu":
@@ -345,7 +345,8 @@ class FSDPState:
             starts_use = groups[0].step.training_state != TrainingState.FORWARD
         for group in groups:  # See [Note: Several groups in one state]
             group.pre_forward()  # every module: the group may have been resharded since
-            uses.append((group, group.record_module_run(module, starts_use)))
+            several = len(group.modules) > 1
+            uses.append((group, group.step.record_module_run(module, starts_use, several)))
         if not starts_use:
             return cast
         for target in self.forward_prefetch:
@@ -354,7 +355,7 @@ class FSDPState:
             hooked = register_post_backward(tuple(uses), args, kwargs)
             if hooked is None:
                 for group, use in uses:
-                    group.add_use_without_node(use)
+                    group.step.add_use_without_node(use)
             return hooked or cast
         return cast
 
