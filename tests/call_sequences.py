@@ -12,8 +12,9 @@ hyperparameter edits, freezing, scheduler steps; a quarter of the sequences
 run every collective through custom comms (``set_custom_all_gather`` and
 ``set_custom_reduce_scatter``, on both sides), and a quarter, drawn apart,
 gather with upstream's ``_set_unshard_async_op(True)``; a ``setting`` puts both
-sides on an HSDP mesh, in bf16 mixed precision or without resharding after
-forward. After **every** call it
+sides on an HSDP mesh, under tensor parallelism (upstream's Colwise/Rowwise plan
+on a (dp, tp) mesh, FSDP on dp), in bf16 mixed precision or without resharding
+after forward. After **every** call it
 compares what a user can observe: the parameters and their gradients to the
 bit, the optimizer's param groups and state (keys, order, types, values),
 the values behind every reference held so far, and whether (and with which
@@ -124,9 +125,17 @@ def _pick_optimizer(rng: random.Random, name: str | None) -> tuple[str, dict]:
 WEIGHTS = {"AdamW": 3, "Adam": 2, "SGD": 3}  # else 1
 
 
-def _build(shard, mesh, name: str, kwargs: dict, ragged: bool, extra: dict) -> Side:
+def _build(shard, mesh, name: str, kwargs: dict, ragged: bool, extra: dict,
+           tp_mesh=None) -> Side:
     # odd sizes: shards of every length, so a kernel's vector loop and scalar tail both show
-    model = build_transformer(seed=5, dim=12, hidden=37, vocab=29)
+    # (tensor parallelism splits the hidden dim in two: 38, 19 rows a TP rank)
+    model = build_transformer(seed=5, dim=12, hidden=37 if tp_mesh is None else 38, vocab=29)
+    if tp_mesh is not None:  # upstream's Colwise/Rowwise plan on each block, then FSDP
+        from test_tensor_parallel import TP_PLAN
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for layer in model.layers:
+            parallelize_module(layer, tp_mesh, TP_PLAN)
     if ragged:
         extra = {**extra, "shard_placement_fn": lambda p: fsdp2.RaggedShard()}
     shard_transformer(model, shard, mesh=mesh, **extra)
@@ -157,8 +166,14 @@ class Sequence:
             self.kwargs["fused"] = None
         import torch.distributed.fsdp as upstream
 
-        mesh, ours, theirs = cpu_mesh(), {}, {}
-        if setting == "hsdp":  # (replicate, shard) = (2, W / 2)
+        mesh, ours, theirs, tp_mesh = cpu_mesh(), {}, {}, None
+        # the rank's data-parallel place: its slice of each batch
+        self.data_rank, self.data_size = rank, world_size
+        if setting == "tensor_parallel":  # (dp, tp) = (W / 2, 2), FSDP on dp
+            both = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+            mesh, tp_mesh = both["dp"], both["tp"]
+            self.data_rank, self.data_size = mesh.get_local_rank(), mesh.size()
+        elif setting == "hsdp":  # (replicate, shard) = (2, W / 2)
             mesh = init_device_mesh("cpu", (2, world_size // 2),
                                     mesh_dim_names=("replicate", "shard"))
         elif setting == "mixed_precision":  # bf16 gathers and compute, fp32 reduction
@@ -176,8 +191,8 @@ class Sequence:
         elif setting is not None:
             raise ValueError(f"unknown setting {setting!r}")
         self.sides = [
-            _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged, ours),
-            _build(upstream.fully_shard, mesh, self.name, self.kwargs, False, theirs),
+            _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged, ours, tp_mesh),
+            _build(upstream.fully_shard, mesh, self.name, self.kwargs, False, theirs, tp_mesh),
         ]
         # Drawn apart from the calls' stream, so that a seed's calls stay what they were.
         self.comms = random.Random(f"custom comms {seed}").random() < 0.25
@@ -246,7 +261,7 @@ class Sequence:
         return bool(t.item())
 
     def backward(self, side: Side, arg: float) -> None:
-        batch = rank_slice(batch_of(self.batch, 2 * self.world_size), self.rank, self.world_size)
+        batch = rank_slice(batch_of(self.batch, 2 * self.data_size), self.data_rank, self.data_size)
         loss_of(side.model, batch).backward()
         if side is self.sides[-1]:
             self.batch += 1
@@ -261,7 +276,7 @@ class Sequence:
         side.opt.zero_grad(set_to_none=False)
 
     def closure_step(self, side: Side, arg: float) -> None:
-        batch = rank_slice(batch_of(self.batch, 2 * self.world_size), self.rank, self.world_size)
+        batch = rank_slice(batch_of(self.batch, 2 * self.data_size), self.data_rank, self.data_size)
 
         def closure():
             side.opt.zero_grad()
@@ -497,7 +512,8 @@ def run_sequence(seed: int, rank: int, world_size: int, *, ragged: bool = False,
 
     ``optimizer``: a name of ``OPTIMIZERS`` (its flags still random), else drawn too;
     ``tier``: fsdp2's optimizer state offloaded (``"host"`` or ``"nvme"``); ``setting``:
-    both sides on an HSDP mesh (``"hsdp"``, W = 4), in bf16 mixed precision
+    both sides on an HSDP mesh (``"hsdp"``, W = 4), under tensor parallelism
+    (``"tensor_parallel"``, (dp, tp) = (W / 2, 2)), in bf16 mixed precision
     (``"mixed_precision"``), with ``reshard_after_forward=False`` (``"no_reshard"``) or
     ``2`` (``"reshard_to_2"``, W = 4), or under ``CPUOffloadPolicy`` (``"cpu_offload"``).
     """
