@@ -91,9 +91,13 @@ class RaggedShardBase(ShardWithOwnRows):
         size = self.row_bounds[shard_index + 1] - start
         return local.narrow(self.dim, start, size).clone()
 
+    def _key(self) -> tuple:
+        """What makes two ragged placements equal (their kind, dim and rows)."""
+        return (RaggedShardBase, self.dim, self.row_bounds)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RaggedShardBase):
-            return self.dim == other.dim and self.row_bounds == other.row_bounds
+            return self._key() == other._key()
         # never equal to torch.chunk's Shard: DTensor's caches would hand back its plans
         return False if isinstance(other, Placement) else NotImplemented
 
@@ -106,7 +110,69 @@ class RaggedShardBase(ShardWithOwnRows):
         return True if isinstance(other, Placement) else NotImplemented
 
     def __hash__(self) -> int:
-        return hash((RaggedShardBase, self.dim, self.row_bounds))
+        return hash(self._key())
+
+
+class RowRuns(RaggedShardBase):
+    """Runs of dim-0 rows dealt to a 1-D mesh's ranks in any order: rank ``k`` holds rows
+    ``[runs[k][0], runs[k][0] + runs[k][1])``; the runs cover the rows once.
+
+    The placement of optimizer state sharded across HSDP replicas
+    (``enable_local_shard_step(shard_across_replicas=True)``, see [Note: Replica
+    slices] in runtime/group/replica_slices.py): on the flattened ``(replicate,
+    shard)`` mesh each rank holds its replica's slice of its shard's rows, so the
+    runs follow the shards, then the replicas, not the ranks' order. The same
+    DTensor rules as ``RaggedShard`` apply (``full_tensor()``, DCP's chunks).
+    """
+
+    def __init__(self, runs: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(0)
+        keep_ragged_placements()
+        self.runs = tuple((int(start), int(rows)) for start, rows in runs)
+
+    def _key(self) -> tuple:
+        return (RowRuns, self.runs)
+
+    def _sizes(self) -> list[int]:
+        return [rows for _, rows in self.runs]
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        start, rows = self.runs[rank]
+        return rows, start
+
+    def split(self, tensor: torch.Tensor, with_padding: bool, contiguous: bool) -> tuple:
+        most = max(self._sizes()) if with_padding else 0
+        shards, pads = [], []
+        for start, rows in self.runs:
+            shard = tensor.narrow(0, start, rows)
+            if with_padding:
+                shard = self._padded(shard, most)
+            shards.append(shard.contiguous() if contiguous else shard)
+            pads.append(most - rows if with_padding else 0)
+        return shards, pads
+
+    def gathered(self, local: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+        sizes = self._sizes()
+        most = max(sizes)
+        gathered = gather_rows_on_mesh_dim(self._padded(local, most).contiguous(), mesh, mesh_dim)
+        blocks = gathered.split(most, dim=0)
+        in_rows = sorted(range(len(self.runs)), key=lambda k: self.runs[k][0])
+        return torch.cat([blocks[k].narrow(0, 0, sizes[k]) for k in in_rows], 0)
+
+    def rows_for(self, local: torch.Tensor, shard_index: int) -> torch.Tensor:
+        start, rows = self.runs[shard_index]
+        return local.narrow(0, start, rows).clone()
+
+    def __repr__(self) -> str:
+        return f"RowRuns({self.runs})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple:
+        return (RowRuns, (self.runs,))
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 _INSTALLED = False

@@ -249,16 +249,20 @@ def test_shard_optim_across_replicas():
     base = PlanConfig(model=demo_model, world_size=8, mesh=(2, 4), batch_size=BATCH, seq_len=SEQ)
     plain, sliced = plan(base), plan(base.with_(shard_optim_across_replicas=True))
     held, plain_held = (p.simulation.state_bytes["optimizer"] for p in (sliced, plain))
-    assert plain_held // 2 <= held <= plain_held // 2 + 1024, (held, plain_held)  # slices padded
-    assert sliced.peak_breakdown["optimizer"] <= plain.peak_breakdown["optimizer"] // 2 + 1024
+    # the slices are cut between rows: within a row of half each
+    assert abs(held - plain_held // 2) <= plain_held // 100, (held, plain_held)
+    assert sliced.peak_breakdown["optimizer"] <= plain.peak_breakdown["optimizer"] * 51 // 100
     ours, theirs = sliced.comm_bytes_per_step, plain.comm_bytes_per_step
     assert "all_reduce" not in ours and theirs["all_reduce"] > 0
-    assert ours["reduce_scatter"] - theirs["reduce_scatter"] == theirs["all_reduce"]
-    assert ours["all_gather"] - theirs["all_gather"] == theirs["all_reduce"]
-    # the same time on the wire; each group's all-gather after the step adds one latency
+    for kind in ("reduce_scatter", "all_gather"):  # each slice padded to the largest
+        extra = ours[kind] - theirs[kind]
+        assert theirs["all_reduce"] <= extra <= theirs["all_reduce"] * 101 // 100, kind
+    # the same time on the wire (but the padding); each group's all-gather after the step
+    # adds one latency
     extra_calls = sum(sliced.comm_calls_per_step.values()) - sum(plain.comm_calls_per_step.values())
     latency = extra_calls * plain.device.latency_us * 1e-6
-    assert sliced.time["comm_s"] - plain.time["comm_s"] == pytest.approx(latency, rel=1e-6)
+    slower = sliced.time["comm_s"] - plain.time["comm_s"] - latency
+    assert 0 <= slower <= plain.time["comm_s"] / 100, (slower, latency)
     assert "state sharded across replicas" in sliced.table()
     for bad in ({"mesh": None}, {"implementation": "torch"}):
         with pytest.raises(ValueError, match="replicate,shard mesh"):

@@ -281,7 +281,8 @@ class ReplicaShardedStep:
                         mine[at : at + value.numel()].copy_(value)
                 out = mine.new_empty(slices.chunk * slices.num_replicas)
                 dist.all_gather_into_tensor(out, mine, group=slices.group)
-                gathered[key] = out
+                gathered[key] = mine.new_empty(slices.numel)
+                slices.unpadded(out, gathered[key])  # in the buffer's layout
             scalars = torch.full((len(runs), len(scalar_keys) + 1), math.nan, dtype=torch.float64)
             for i, r in enumerate(runs):
                 if r.state:

@@ -43,6 +43,8 @@ parameters' elements in the slice, gaps skipped (flat_run.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
@@ -63,24 +65,40 @@ class ReplicaSlices:
         self.num_replicas = dist.get_world_size(group)
         self.replica_rank = dist.get_rank(group)
         self.numel = flat.layout.numel
-        self.chunk = -(-self.numel // self.num_replicas)
-        self.start = min(self.replica_rank * self.chunk, self.numel)
-        self.stop = min(self.start + self.chunk, self.numel)
+        self.bounds = row_cuts(flat, self.num_replicas)
+        self.sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+        self.chunk = max(self.sizes)  # each replica's part of the collectives, padded to it
+        self.start, self.stop = self.bounds[self.replica_rank], self.bounds[self.replica_rank + 1]
         self._pending: tuple | None = None  # (work, output, input) of the post-step all-gather
 
     def covers(self, flat_grad: torch.Tensor) -> bool:
         """Whether ``flat_grad`` is laid out as the whole buffer (every slot has a gradient)."""
         return flat_grad.numel() == self.numel
 
+    def _even(self) -> bool:
+        return self.chunk * self.num_replicas == self.numel
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (the buffer's layout) with each replica's slice at ``r * chunk``."""
+        if self._even():
+            return flat
+        out = flat.new_zeros(self.chunk * self.num_replicas)
+        for r, (a, n) in enumerate(zip(self.bounds, self.sizes)):
+            out[r * self.chunk : r * self.chunk + n].copy_(flat[a : a + n])
+        return out
+
+    def unpadded(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """The inverse of ``padded``: every replica's slice of ``gathered`` into ``out``."""
+        if self._even():
+            out.copy_(gathered)
+            return
+        for r, (a, n) in enumerate(zip(self.bounds, self.sizes)):
+            out[a : a + n].copy_(gathered[r * self.chunk : r * self.chunk + n])
+
     def reduce(self, flat_grad: torch.Tensor, op: object) -> None:
         """Reduce-scatter ``flat_grad`` over replicas: the slice reduced, the rest zeroed."""
-        padded = self.chunk * self.num_replicas
-        src = flat_grad
-        if padded != self.numel:
-            src = flat_grad.new_zeros(padded)
-            src[: self.numel].copy_(flat_grad)
         out = flat_grad.new_empty(self.chunk)
-        collectives.reduce_scatter(out, src, self.group, op)
+        collectives.reduce_scatter(out, self.padded(flat_grad), self.group, op)
         flat_grad[: self.start].zero_()
         flat_grad[self.stop :].zero_()
         flat_grad[self.start : self.stop].copy_(out[: self.stop - self.start])
@@ -89,7 +107,7 @@ class ReplicaSlices:
         """After the step: all-gather the updated slices over replicas (asynchronously)."""
         self.wait()
         buffer = self.flat.buffer
-        inp = buffer.new_zeros(self.chunk)
+        inp = buffer.new_zeros(self.chunk)  # this replica's slice, padded
         inp[: self.stop - self.start].copy_(buffer[self.start : self.stop])
         out = buffer.new_empty(self.chunk * self.num_replicas)
         work = collectives.all_gather(out, inp, self.group, async_op=True)
@@ -114,7 +132,33 @@ class ReplicaSlices:
                 ctx.wait_work("replica_gather->copy_in", work)
             else:
                 work.wait()
-        buffer.copy_(out[: self.numel])
+        self.unpadded(out, buffer)
+
+
+def row_cuts(flat: FlatShard, num_replicas: int) -> list[int]:
+    """``num_replicas + 1`` cuts of ``flat``'s buffer into nearly equal slices, between rows.
+
+    Each even cut ``r * ceil(N / R)`` moves to the nearest row boundary of the
+    parameter whose slot holds it (a cut in padding or between slots stays), so
+    a replica's slice holds whole rows of each parameter: what a placement can
+    name (see [Note: Replica slices]).
+    """
+    numel = flat.layout.numel
+    chunk = -(-numel // num_replicas)
+    slots = [  # a row: one dim-0 slice of the local shard (also for other shard dims)
+        (flat.layout.starts[i], flat.layout.stops[i], max(1, math.prod(p.local_size[1:])))
+        for i, p in enumerate(flat.fsdp_params)
+        if flat.layout.stops[i] > flat.layout.starts[i]
+    ]
+    cuts = [0]
+    for r in range(1, num_replicas):
+        cut = min(r * chunk, numel)
+        for start, stop, row in slots:
+            if start < cut < stop:
+                cut = min(stop, start + (cut - start + row // 2) // row * row)
+                break
+        cuts.append(max(cut, cuts[-1]))
+    return cuts + [numel]
 
 
 def of_params(fsdp_params: list[FSDPParam]) -> ReplicaSlices | None:
