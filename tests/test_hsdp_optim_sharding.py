@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _impl import fsdp2_only, fully_shard
 from _multiproc import launch_dir
@@ -35,6 +36,7 @@ from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2.ragged_placement import RowRuns
 from fsdp2.runtime.group import replica_slices
 
 pytestmark = fsdp2_only  # fsdp2's own option (refused for upstream's parameters: test_refusals)
@@ -204,23 +206,40 @@ def _collectives(rank, world_size):
     opt.zero_grad()
 
 
+def _assert_true_layout(po: dict, mo: dict) -> None:
+    """The option's state dict (``mo``) holds plain HSDP's (``po``) values in its true layout:
+    each rank its slice (``RowRuns`` on the flattened mesh), every element on one rank only,
+    none gathered across replicas; the scalars as plain HSDP's."""
+    assert sorted(po["state"]) == sorted(mo["state"])
+    ours = theirs = 0
+    for fqn, values in po["state"].items():
+        assert list(mo["state"][fqn]) == list(values), fqn
+        for key, v in values.items():
+            w = mo["state"][fqn][key]
+            if isinstance(v, DTensor):
+                assert isinstance(w, DTensor) and len(w.placements) == 1, (fqn, key, w)
+                assert isinstance(w.placements[0], RowRuns), (fqn, key, w.placements)
+                assert torch.equal(w.full_tensor(), v.full_tensor()), (fqn, key)
+                ours, theirs = ours + w.to_local().numel(), theirs + v.to_local().numel()
+            else:
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), (fqn, key)
+    counts = torch.tensor([ours, theirs])
+    dist.all_reduce(counts)
+    whole = counts[1] // 2  # plain HSDP holds every element on its R = 2 replicas
+    assert counts[0] == whole, (counts, "each element once across all ranks")
+    assert ours <= theirs * 0.6, (ours, theirs)  # about 1 / (R * S) of the whole, not 1 / S
+
+
 def _state_dict_round_trip(rank, world_size):
-    """The option's state dict has plain HSDP's layout; DCP saves and loads it both ways."""
+    """The option's state dict is in its true layout (each rank its slice); DCP saves and
+    loads it both ways."""
     mesh = _mesh()
     (plain, p_opt, p_h), (model, opt, h) = _pair(15, mesh, OPTIMS["adamw"])
     _train(plain, p_opt, rank, world_size, 2)
     _train(model, opt, rank, world_size, 2)
     ps, po = get_state_dict(plain, p_opt)
     ms, mo = get_state_dict(model, opt)
-    assert sorted(po["state"]) == sorted(mo["state"])
-    for fqn, values in po["state"].items():
-        for key, v in values.items():
-            w = mo["state"][fqn][key]
-            if isinstance(v, DTensor):
-                assert isinstance(w, DTensor) and w.placements == v.placements, (fqn, key)
-                assert torch.equal(v.to_local(), w.to_local()), (fqn, key)
-            else:
-                assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), (fqn, key)
+    _assert_true_layout(po, mo)
     # save with the option, load into plain HSDP (and the other way): training goes on alike
     folder = launch_dir("dcp")
     dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder + "/opt")
@@ -241,7 +260,7 @@ def _state_dict_round_trip(rank, world_size):
 
 def _param_major(rank, world_size):
     """RaggedShard slices alike: bit-identical to plain HSDP on that layout with 1/R of the
-    state; its state dict (gathered across replicas, ragged placements) saved with DCP loads
+    state; its state dict (each rank's slice, RowRuns) saved with DCP loads
     into dim-0 plain HSDP, which then trains on exactly as the ragged run does."""
     ragged = lambda p: fsdp2.RaggedShard()  # noqa: E731
     _check_parity(rank, world_size, 11, (2, 2), OPTIMS["adamw"], placement_fn=ragged)
@@ -251,12 +270,7 @@ def _param_major(rank, world_size):
         _train(m, o, rank, world_size, 2)
     ms, mo = get_state_dict(model, opt)
     _, po = get_state_dict(plain, p_opt)
-    for fqn, values in po["state"].items():
-        for key, v in values.items():
-            w = mo["state"][fqn][key]
-            if isinstance(v, DTensor):
-                assert isinstance(w.placements[-1], fsdp2.RaggedShard), (fqn, key, w.placements)
-                assert w.placements == v.placements and torch.equal(v.to_local(), w.to_local())
+    _assert_true_layout(po, mo)
     folder = launch_dir("dcp")
     dcp.save({"model": ms, "optim": mo}, checkpoint_id=folder + "/ragged")
     (dim0, d_opt, d_h), _ = _pair(16, mesh, OPTIMS["adamw"])
@@ -416,7 +430,7 @@ def test_collectives(launch_cases):
 
 
 def test_state_dict_and_dcp(launch_cases):
-    """state_dict() in plain HSDP's layout; DCP checkpoints load across the option both ways."""
+    """state_dict() in its true layout; DCP checkpoints load across the option both ways."""
     check_case(launch_cases(4, CASES), "state_dict")
 
 

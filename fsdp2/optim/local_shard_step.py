@@ -169,5 +169,5 @@ def enable_local_shard_step(
     if engine.replicas is not None:
         replicas = engine.replicas
         hooks.append(optimizer.register_state_dict_pre_hook(lambda _: replicas.wait()))
-        hooks.append(optimizer.register_state_dict_post_hook(replicas.full_state_dict))
+        hooks.append(optimizer.register_state_dict_post_hook(replicas.state_dict_hook))
     return LocalShardStepHandle(engine, hooks)

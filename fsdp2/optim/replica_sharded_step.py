@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_like, local_tensor
+from ..ragged_placement import RowRuns
 from ..runtime.group import replica_slices
 from ..runtime.group.replica_slices import ReplicaSlices
 from ..runtime.storage.flat_shard import flat_slot_of
@@ -74,15 +75,34 @@ class SlicedRun:
                     built.setdefault(key, value.detach().clone() if torch.is_tensor(value) else value)
         for key in {k for v in loaded if v for k, x in v.items() if torch.is_tensor(x) and x.dim()}:
             flat = torch.zeros(self.end - self.begin, dtype=self.param.dtype, device=self.param.device)
-            for values, off, n in zip(loaded, self.run.offsets, self.run.numels):
+            for values, p, off, n in zip(loaded, self.run.params, self.run.offsets, self.run.numels):
                 lo, hi = max(off, self.begin), min(off + n, self.end)
                 if values is not None and key in values and hi > lo:
-                    local = values[key]
-                    local = local_tensor(local) if isinstance(local, DTensor) else local
-                    flat[lo - self.begin : hi - self.begin].copy_(local.reshape(-1)[lo - off : hi - off])
+                    flat[lo - self.begin : hi - self.begin].copy_(
+                        self._loaded_part(values[key], p, key, lo - off, hi - off)
+                    )
             built[key] = flat
         self.state = built
         self._publish_scalars(state)
+
+    def _loaded_part(self, value: torch.Tensor, p: torch.Tensor, key: str, lo: int, hi: int):
+        """Elements ``[lo, hi)`` of ``p``'s local shard in a loaded state ``value``: a value
+        in plain HSDP's layout holds the whole shard, one in the slices' own (``RowRuns``,
+        see ``state_dict_hook``) just this rank's part of it."""
+        local = local_tensor(value) if isinstance(value, DTensor) else value
+        if not (isinstance(value, DTensor) and isinstance(value.placements[0], RowRuns)):
+            return local.reshape(-1)[lo:hi]
+        ours = self.slices.state_placements
+        index = next(i for i, fp in enumerate(self.slices.flat.fsdp_params) if fp.sharded_param is p)
+        if ours is None or value.placements[0] != ours[index]:
+            raise ValueError(
+                f"load_state_dict: state {key!r} of a parameter of shape {tuple(p.shape)} is in "
+                f"placement {value.placements[0]}, and this optimizer's slices of it are "
+                f"{ours[index] if ours else 'not runs of rows'} (the state dict of another mesh "
+                "or replica count): load it through DCP (dcp.load or fsdp2.load_checkpoint), "
+                "which reshards"
+            )
+        return local.reshape(-1)
 
     def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Before the step: the slice's part with its gradient and state.
@@ -246,20 +266,23 @@ class ReplicaShardedStep:
         for slices in self.slices:
             replica_slices.disable(slices)
 
-    # ---- state dicts: plain HSDP's layout ------------------------------------------
+    # ---- state dicts: each rank's slice where it can be named, else plain HSDP's layout ----
 
-    def full_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict) -> dict:
-        """``optimizer.state_dict()``'s post-hook: every sliced state gathered over replicas."""
+    def state_dict_hook(self, optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+        """``optimizer.state_dict()``'s post-hook: the slices' state as DTensors of its true
+        layout (see [Note: Replica slices in state dicts] in replica_slices.py)."""
         index_of = {}
         for g_sd, group in zip(sd["param_groups"], optimizer.param_groups):
             for index, p in zip(g_sd["params"], group["params"]):
                 index_of[id(p)] = index
-        for key, (_, entry) in self._gathered().items():
+        for key, (_, entry) in self._gathered(true_layout=True).items():
             sd["state"][index_of[key]] = entry
         return sd
 
-    def _gathered(self) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
-        """Each sliced parameter's state in plain HSDP's layout, by ``id``: (parameter, state)."""
+    def _gathered(self, true_layout: bool = False) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
+        """Each sliced parameter's state by ``id``: (parameter, state), in plain HSDP's layout
+        (gathered over replicas) or, with ``true_layout``, as views of the slices' state where
+        their placements are known."""
         optimizer = self.optimizer
         entries: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         tensor_keys, scalar_keys = [], []
@@ -271,8 +294,9 @@ class ReplicaShardedStep:
             runs = [r for r in self.runs.values() if r.slices is slices]
             if not runs:
                 continue
+            placements = slices.state_placements if true_layout else None
             gathered = {}
-            for key in tensor_keys:
+            for key in tensor_keys if placements is None else ():
                 mine = slices.flat.buffer.new_zeros(slices.chunk)
                 for r in runs:
                     value = r.state.get(key)
@@ -302,12 +326,41 @@ class ReplicaShardedStep:
                     for j, key in enumerate(scalar_keys):
                         if not math.isnan(known[i, j]):
                             entry[key] = torch.tensor(known[i, j], dtype=_scalar_dtype())
+                    if placements is not None:
+                        entry.update(_slice_views(slices, placements, r, p, off, n, tensor_keys))
                     start = r.run_start + off
                     shape = local_tensor(p).shape
                     for key, full in gathered.items():
                         entry[key] = dtensor_like(p, full[start : start + n].clone().view(shape))
                     entries[id(p)] = (p, entry)
         return entries
+
+
+def _slice_views(
+    slices: ReplicaSlices, placements: list, sliced: SlicedRun, p: torch.Tensor, off: int,
+    n: int, keys: list[str],
+) -> dict[str, DTensor]:
+    """``p``'s rows in this rank's slice of each state ``key``: views of the live state, as
+    DTensors on the flattened mesh with the parameter's ``RowRuns``."""
+    index = next(i for i, fp in enumerate(slices.flat.fsdp_params) if fp.sharded_param is p)
+    placement = placements[index]
+    rows = placement.rows_of(slices.state_mesh.get_local_rank())[0]
+    start = sliced.run_start + off
+    lo, hi = (min(max(cut, start), start + n) for cut in (slices.start, slices.stop))
+    base = sliced.run_start + sliced.begin  # where the part's state starts in the buffer
+    rest = tuple(p.shape[1:])
+    out = {}
+    for key in keys:
+        value = sliced.state.get(key)
+        if torch.is_tensor(value) and value.dim() and hi > lo:
+            local = value[lo - base : hi - base].view(rows, *rest)
+        else:  # no rows of p here (or its part never stepped): an empty run
+            local = local_tensor(p).new_zeros(rows, *rest)
+        out[key] = DTensor.from_local(
+            local, slices.state_mesh, (placement,), run_check=False, shape=p.shape,
+            stride=p.stride(),
+        )
+    return out
 
 
 def _first_known(stacked: torch.Tensor) -> torch.Tensor:

@@ -44,12 +44,14 @@ parameters' elements in the slice, gaps skipped (flat_run.py).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..._torch_compat import local_tensor
+from ..._torch_compat import flatten_mesh, local_tensor
+from ...ragged_placement import RowRuns
 from ..comm import collectives
 from ..comm.comm_context import CommContext
 from ..storage.flat_shard import FlatShard, flat_shard_of
@@ -70,6 +72,9 @@ class ReplicaSlices:
         self.chunk = max(self.sizes)  # each replica's part of the collectives, padded to it
         self.start, self.stop = self.bounds[self.replica_rank], self.bounds[self.replica_rank + 1]
         self._pending: tuple | None = None  # (work, output, input) of the post-step all-gather
+        # Where each rank's slice lies, for state dicts (set by enable, see _state_layout)
+        self.state_mesh: Any = None
+        self.state_placements: list[RowRuns] | None = None
 
     def covers(self, flat_grad: torch.Tensor) -> bool:
         """Whether ``flat_grad`` is laid out as the whole buffer (every slot has a gradient)."""
@@ -209,8 +214,50 @@ def enable(param: torch.Tensor, name: str) -> ReplicaSlices | None:
             f"shard_across_replicas=True: parameter {name} is not on its group's buffer's device"
         )
     if flat.replica_slices is None:
-        flat.replica_slices = ReplicaSlices(flat, mesh.get_group(0))
+        slices = ReplicaSlices(flat, mesh.get_group(0))
+        slices.state_mesh, slices.state_placements = _state_layout(slices, mesh)
+        flat.replica_slices = slices
     return flat.replica_slices  # type: ignore[return-value]
+
+
+def _state_layout(slices: ReplicaSlices, mesh: Any) -> tuple[Any, list[RowRuns] | None]:
+    """The flattened mesh and each parameter's ``RowRuns`` on it (see [Note: Replica slices
+    in state dicts]); ``(None, None)`` where a slice is not a run of rows of a parameter.
+
+    Collective over the mesh's ranks (``enable`` runs on every rank): the flattened mesh's
+    group is made, and the ranks' runs are gathered over it.
+    """
+    mine = _slice_rows(slices)
+    if not mesh.mesh_dim_names:
+        return None, None
+    flat_mesh = flatten_mesh(mesh, "_".join(mesh.mesh_dim_names) + "_state")
+    everyone: list = [None] * flat_mesh.size()
+    dist.all_gather_object(everyone, mine, group=flat_mesh.get_group())
+    if any(rows is None for rows in everyone):
+        return None, None
+    count = len(slices.flat.fsdp_params)
+    return flat_mesh, [RowRuns(tuple(rows[i] for rows in everyone)) for i in range(count)]
+
+
+def _slice_rows(slices: ReplicaSlices) -> list[tuple[int, int]] | None:
+    """Per parameter of the group, ``(first row, rows)`` of the full parameter in this
+    rank's slice; ``None`` unless each is a run of dim-0 rows of a plain (not model-parallel)
+    parameter in the flat buffer."""
+    flat, out = slices.flat, []
+    for i, p in enumerate(flat.fsdp_params):
+        if not p.in_flat or p.shard_dim != 0 or p.tp_spec is not None or p.dp_dims:
+            return None
+        row = max(1, p.row_numel)
+        start = flat.layout.starts[i]
+        real = start + p.local_rows * row  # past it: padding rows
+        lo, hi = (min(max(cut, start), real) for cut in (slices.start, slices.stop))
+        if (lo - start) % row or (hi - lo) % row:
+            return None
+        first = p.layout.row_start if p.ragged else min(
+            p.layout.rank * p.layout.shard_rows, p.layout.size[0]
+        )
+        out.append((first + (lo - start) // row, (hi - lo) // row))
+    return out
 
 
 def trainable_outside(slices: ReplicaSlices, param_ids: set[int]) -> list[str]:
