@@ -123,8 +123,9 @@ def enable_local_shard_step(
     ``fully_shard`` only (``fsdp2.Muon``, LBFGS, upstream's parameters, a
     1-D mesh are refused), and every trainable parameter of a group sliced so
     must be in this optimizer; not with ``offload=`` or
-    ``flat_buffers=False``. ``optimizer.state_dict()`` then all-gathers the
-    slices (call it on every rank) and gives plain HSDP's layout. See
+    ``flat_buffers=False``. ``optimizer.state_dict()`` then gives each rank's
+    slice (``RowRuns`` DTensors on the flattened mesh; call it on every rank:
+    the scalars are agreed on over replicas), which DCP reshards. See
     [Note: Replica slices] in ``runtime/group/replica_slices.py`` and
     docs/meshes.md.
 

@@ -11,12 +11,14 @@ updated slices.
 Outside ``step``, ``optimizer.state[p]`` holds only the scalar state (``step``)
 of a parameter, so the slices' memory is the only copy of the moments.
 ``optimizer.state_dict()`` (and so DCP, ``get_optimizer_state_dict``,
-``save_checkpoint``) gets the state with plain HSDP's layout: a post-hook
-all-gathers each group's slices of every state key over the replicas (a
-collective: call ``state_dict()`` on every rank) and fills the per-parameter
-DTensors, so a checkpoint loads into plain HSDP, FSDP or one process, and the
-other way round; ``load_state_dict`` of such a state keeps only the slice at
-the next step. The transient memory of a ``state_dict()`` is plain HSDP's.
+``save_checkpoint``) gets each parameter's rows in this rank's slice, views of
+the live state, as DTensors of their true layout (see [Note: Replica slices
+in state dicts] in replica_slices.py), with the scalars agreed on over
+replicas (a collective: call ``state_dict()`` on every rank); a checkpoint so
+saved loads into plain HSDP, FSDP, another replica count or one process, and
+the other way round; ``load_state_dict`` of either layout keeps only the
+slice at the next step. ``close()`` gathers the slices back into plain HSDP's
+layout.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Plain HSDP all-reduces each group's reduce-scattered gradient over the
 ``replicate`` dim, and every replica steps its whole shard with a whole copy
 of the shard's optimizer state (Adam: 8 bytes per parameter, R times over).
 With ``enable_local_shard_step(optimizer, shard_across_replicas=True)`` the
-group's flat buffer (one dtype) is cut into R contiguous *slices* of
-``ceil(N / R)`` elements (the last one shorter, maybe empty); replica rank
-``r`` owns slice ``r`` and:
+group's flat buffer (one dtype) is cut into R contiguous *slices* of about
+``ceil(N / R)`` elements, each cut between two rows of the parameter it falls
+in (``row_cuts``; the collectives pad each slice to the largest); replica
+rank ``r`` owns slice ``r`` and:
 
 - the all-reduce becomes a reduce-scatter over ``replicate`` (``reduce``):
   this rank's slice of the flat gradient holds the reduced values, the rest
@@ -34,6 +35,20 @@ backend may sum in another order (within one rounding).
 A group whose gradients do not cover the whole buffer (frozen parameters in
 it) keeps the all-reduce (every slice is then exact too) and is still stepped
 in slices and gathered.
+
+[Note: Replica slices in state dicts]
+Cut between rows, a rank's slice holds a run of whole rows of each parameter
+(maybe none): on the flattened ``(replicate, shard)`` mesh, rank ``k`` holds
+rows ``[a_k, a_k + n_k)``, the runs following the shards, then the replicas.
+``RowRuns`` (ragged_placement.py) is the placement that names them, so the
+optimizer's state dict gives each parameter's state as a DTensor of this true
+layout (a view of the slice's live state) instead of gathering it over
+replicas: ``full_tensor()``, DCP's chunk offsets and resharding need nothing
+else. ``enable`` makes the flattened mesh (a process group over the HSDP
+mesh's ranks, collective, like any mesh slicing) and gathers every rank's runs
+once. A group where that cannot be said (another shard dim, tensor-parallel
+parameters, a mesh whose dims have no names) keeps plain HSDP's layout in
+state dicts, gathered over replicas.
 
 The parameter-major layout slices the same way: its flat buffer is the
 rank's ``S`` elements of the plan (whole parameters with gaps between), its
