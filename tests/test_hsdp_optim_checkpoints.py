@@ -1,8 +1,10 @@
 """Checkpoints of HSDP with the optimizer state sharded across replicas, across layouts.
 
 A checkpoint saved with ``shard_across_replicas=True`` (2x2 at W=4, through
-``save_checkpoint`` with its checksums) loads with ``load_latest`` into plain
-FSDP at W=4, into one process and into the option at W=2 (a 2x1 mesh), and
+``save_checkpoint`` with its checksums; each rank's slice, see [Note: Replica
+slices in state dicts]) loads with ``load_latest`` into plain FSDP at W=4, into
+the option with four replicas (4x1), into one process and into the option at
+W=2 (a 2x1 mesh), and
 checkpoints of plain FSDP and of one process load into the option. Each load
 must give the saved parameters and optimizer state to the bit (compared as
 full tensors), and training must go on as it would have. See [Note: Replica
@@ -82,6 +84,11 @@ def _w4_body(rank, world_size, roots):
     losses = train_span(fsdp, f_optim, 2, 4, rank, world_size, mean=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted),
                                rtol=RTOL, atol=ATOL)
+    # into the option with four replicas of one shard (4x1): another replica count
+    mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    four, four_optim = _with_option(mesh41, seed=36)
+    assert fsdp2.load_latest(roots["option"], four, four_optim) == 2
+    _assert_loaded(four, four_optim, saved, "option 2x2 -> option 4x1")
     # and back: plain FSDP's checkpoint into the option
     fsdp2.save_checkpoint(roots["fsdp"], fsdp, f_optim, step=4)
     fsdp_saved = _snapshot(fsdp, f_optim)
@@ -105,7 +112,8 @@ def _w2_body(rank, world_size, roots, saved, single_saved):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the one-process part
 def test_checkpoints_across_layouts(tmp_path):
-    """option (2x2) <-> FSDP (W=4), -> one process -> option (2x1, W=2): exact state each way."""
+    """option (2x2) <-> FSDP (W=4), -> option (4x1), -> one process -> option (2x1, W=2): exact
+    state each way."""
     roots = {k: str(tmp_path / k) for k in ("option", "fsdp", "single")}
     saved = run_ranks(_w4_body, 4, roots)[0]
     for root in ("option", "fsdp"):
