@@ -33,7 +33,7 @@ from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as upstream_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from fsdp2.ragged_placement import RowRuns
@@ -258,6 +258,25 @@ def _state_dict_round_trip(rank, world_size):
         _assert_equal(expected, _fulls(m, handle))
 
 
+def _other_shard_dim(rank, world_size):
+    """Shard(1) matrices: a slice is no run of rows of them, so their groups' state dicts keep
+    plain HSDP's layout (gathered over replicas), with plain HSDP's values."""
+    dim1 = lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0 else None  # noqa: E731
+    (plain, p_opt, _), (model, opt, _) = _pair(15, _mesh(), OPTIMS["adamw"], placement_fn=dim1)
+    for m, o in ((plain, p_opt), (model, opt)):
+        _train(m, o, rank, world_size, 2)
+    po, mo = get_state_dict(plain, p_opt)[1], get_state_dict(model, opt)[1]
+    seen = set()
+    for fqn, values in po["state"].items():
+        for key, v in values.items():
+            w = mo["state"][fqn][key]
+            if isinstance(v, DTensor):
+                assert w.placements == v.placements, (fqn, key, w.placements)
+                seen.add(w.placements[-1])
+            assert torch.equal(full(w), full(v)), (fqn, key)
+    assert Shard(1) in seen, seen
+
+
 def _param_major(rank, world_size):
     """RaggedShard slices alike: bit-identical to plain HSDP on that layout with 1/R of the
     state; its state dict (each rank's slice, RowRuns) saved with DCP loads
@@ -395,6 +414,7 @@ CASES = {
     "clip_and_accumulate": _clip_and_accumulate,
     "collectives": _collectives,
     "state_dict": _state_dict_round_trip,
+    "other_shard_dim": _other_shard_dim,
     "remove": _remove,
     "refusals": _refusals,
     "param_major": _param_major,
@@ -432,6 +452,11 @@ def test_collectives(launch_cases):
 def test_state_dict_and_dcp(launch_cases):
     """state_dict() in its true layout; DCP checkpoints load across the option both ways."""
     check_case(launch_cases(4, CASES), "state_dict")
+
+
+def test_state_dict_of_another_shard_dim(launch_cases):
+    """Shard(1) parameters: plain HSDP's layout in state dicts."""
+    check_case(launch_cases(4, CASES), "other_shard_dim")
 
 
 def test_remove_gathers_the_state_back(launch_cases):
