@@ -47,8 +47,7 @@ replicas: ``full_tensor()``, DCP's chunk offsets and resharding need nothing
 else. ``enable`` makes the flattened mesh (a process group over the HSDP
 mesh's ranks, collective, like any mesh slicing) and gathers every rank's runs
 once. A group where that cannot be said (another shard dim, tensor-parallel
-parameters, a mesh whose dims have no names) keeps plain HSDP's layout in
-state dicts, gathered over replicas.
+parameters) keeps plain HSDP's layout in state dicts, gathered over replicas.
 
 The parameter-major layout slices the same way: its flat buffer is the
 rank's ``S`` elements of the plan (whole parameters with gaps between), its
