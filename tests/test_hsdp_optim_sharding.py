@@ -256,6 +256,15 @@ def _state_dict_round_trip(rank, world_size):
     expected = _fulls(plain, p_h)
     for m, handle in ((model, h), (plain2, p_h2), (model2, h2)):
         _assert_equal(expected, _fulls(m, handle))
+    # a state dict whose runs are another mesh's slices is refused by name
+    sd = opt.state_dict()
+    entry = next(v for v in sd["state"].values() if isinstance(v.get("exp_avg"), DTensor))
+    value = entry["exp_avg"]
+    other = RowRuns(tuple(reversed(value.placements[0].runs)))
+    entry["exp_avg"] = DTensor.from_local(value.to_local(), value.device_mesh, (other,),
+                                          run_check=False, shape=value.shape, stride=value.stride())
+    with pytest.raises(ValueError, match="through DCP"):
+        opt.load_state_dict(sd)
 
 
 def _other_shard_dim(rank, world_size):

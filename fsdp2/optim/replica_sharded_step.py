@@ -70,6 +70,9 @@ class SlicedRun:
             for v in loaded
         ):
             return
+        for values, p in zip(loaded, self.run.params):  # on every rank, with a part or none
+            for key, value in (values or {}).items():
+                self._check_placement(value, p, key)
         built: dict[str, Any] = {}
         for values in loaded:
             for key, value in (values or {}).items():
@@ -92,8 +95,14 @@ class SlicedRun:
         in plain HSDP's layout holds the whole shard, one in the slices' own (``RowRuns``,
         see ``state_dict_hook``) just this rank's part of it."""
         local = local_tensor(value) if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor) and isinstance(value.placements[0], RowRuns):
+            return local.reshape(-1)
+        return local.reshape(-1)[lo:hi]
+
+    def _check_placement(self, value: object, p: torch.Tensor, key: str) -> None:
+        """A loaded value in ``RowRuns`` must name these slices' rows of ``p``."""
         if not (isinstance(value, DTensor) and isinstance(value.placements[0], RowRuns)):
-            return local.reshape(-1)[lo:hi]
+            return
         ours = self.slices.state_placements
         index = next(i for i, fp in enumerate(self.slices.flat.fsdp_params) if fp.sharded_param is p)
         if ours is None or value.placements[0] != ours[index]:
@@ -104,7 +113,6 @@ class SlicedRun:
                 "or replica count): load it through DCP (dcp.load or fsdp2.load_checkpoint), "
                 "which reshards"
             )
-        return local.reshape(-1)
 
     def attach(self, state: dict, grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Before the step: the slice's part with its gradient and state.
