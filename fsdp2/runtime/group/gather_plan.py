@@ -56,7 +56,10 @@ def plan_gather(
         )
     # Gradients are the trainable parameters' (see [Note: Mixed-dtype groups])
     trainable = [p.sharded_param.dtype for p in fsdp_params if p.sharded_param.requires_grad]
-    fallback = layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
+    # Nothing trainable yet (a frozen first forward): the parameters that can train later are
+    # floating point, so their dtype, not an int64 table's
+    floating = [d for d in layout.dtypes if d.is_floating_point]
+    fallback = floating[0] if floating else layout.dtypes[layout.order[0]] if layout.mixed else layout.dtype
     orig_dtype = trainable[0] if trainable else fallback
     dtypes = GroupDtypes(orig_dtype, *resolve_dtypes(mp_policy, orig_dtype))
     for p, dtype in zip(fsdp_params, layout.dtypes):
