@@ -24,6 +24,7 @@ from .module import FSDPModule, UnshardHandle
 from .module_functions import register_fsdp_forward_method
 from .runtime.comm.comm_context import CommContext
 from .runtime.common.mixed_precision import keeps_own_dtype
+from .runtime.common.profiler_ranges import warn_once
 from .runtime.group.arenas import join_arenas
 from .runtime.group.param_group import FSDPParamGroup
 from .runtime.hooks.state import FSDPState, state_of
@@ -397,6 +398,10 @@ def _resolve_reshard_after_forward(
     if isinstance(value, int):
         if value >= 1 and size % value == 0:
             if value == 1:  # sharded over one rank: the same as keeping it unsharded
+                warn_once(  # upstream's text, on its logger
+                    "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+                    "instead of reshard_after_forward=True (bool)"
+                )
                 return False, None
             if value == size:
                 return True, None

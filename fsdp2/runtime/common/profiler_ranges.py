@@ -1,12 +1,17 @@
-"""Profiler ranges under upstream's names (``FSDP::pre_forward (layers.0)``, ...), in one place.
+"""Profiler ranges and debug records under upstream's names (``FSDP::pre_forward (layers.0)``).
 
 A CPU or GPU profile of fsdp2 then reads like one of upstream's: the same
-range kinds, labelled with the same group names.
+range kinds, labelled with the same group names. The hooks' debug records go
+to upstream's logger with upstream's labels, so ``TORCH_LOGS="+fsdp"`` (or
+``logging``'s own configuration of ``torch.distributed.fsdp``) shows what it
+shows for upstream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -34,3 +39,20 @@ def record_function(name: str, fqn: str = "", when: bool = True, pg: int | None 
             name = f"{name} [pg={pg}]"
         return torch.profiler.record_function(name)
     return NO_RANGE
+
+
+#: upstream's logger, which torch's ``TORCH_LOGS`` name ``fsdp`` configures
+logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
+
+
+def log_hook(name: str, fqn: str = "", pg: int | None = None) -> None:
+    """A debug record as upstream's hooks write it (``FSDP::pre_forward (layers.0)``)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        label = f"{name} ({fqn})" if fqn else name
+        logger.debug("%s", label if pg is None else f"{label} [pg={pg}]")
+
+
+@functools.lru_cache(None)
+def warn_once(message: str) -> None:
+    """A warning on upstream's logger, once per process, as upstream's ``warning_once``."""
+    logger.warning(message)

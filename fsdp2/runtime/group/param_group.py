@@ -41,7 +41,6 @@ these copies is a no-op and the code path is the same.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from typing import Any
 
@@ -57,7 +56,7 @@ from ..comm.comm_context import CommContext
 from ..comm.comm_memory import effective
 from ..comm.force_collectives import skips_collectives
 from ..common.mixed_precision import check_grad_dtypes, check_trainable_dtypes
-from ..common.profiler_ranges import record_function
+from ..common.profiler_ranges import log_hook, record_function
 from ..meshes.mesh import FSDPMeshInfo, PostForwardMeshInfo
 from ..storage.flat_shard import FlatShard, FlatShardLayout
 from ..storage.param import FSDPParam, ShardedState
@@ -69,8 +68,6 @@ from .group_settings import UnshardSettings
 from .placement_checks import check_materialized, check_on_host
 from .reduction import GradientReduction
 from .step_state import PendingAllGather, StepState, TrainingState
-
-logger = logging.getLogger(__name__)
 
 
 class FSDPParamGroup:
@@ -470,14 +467,14 @@ class FSDPParamGroup:
     # ---- hooks ----------------------------------------------------------------
 
     def pre_forward(self) -> None:
-        logger.debug("pre_forward %s", self.module_fqn)
+        log_hook("FSDP::pre_forward", self.module_fqn, self.range_pg)
         self.step.training_state = TrainingState.FORWARD
         with record_function("FSDP::pre_forward", self.module_fqn, pg=self.range_pg):
             self._unshard_for_use()
             self.wait_for_unshard()
 
     def post_forward(self) -> None:
-        logger.debug("post_forward %s", self.module_fqn)
+        log_hook("FSDP::post_forward", self.module_fqn, self.range_pg)
         with record_function("FSDP::post_forward", self.module_fqn, pg=self.range_pg):
             self._post_forward()
 
@@ -499,7 +496,7 @@ class FSDPParamGroup:
         """Unshard for this use's backward; returns False if this use already started it."""
         if self.step.training_state == TrainingState.PRE_BACKWARD:
             return False  # another output of the same use already triggered it
-        logger.debug("pre_backward %s", self.module_fqn)
+        log_hook("FSDP::pre_backward", self.module_fqn, self.range_pg)
         self.step.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
             with record_function("FSDP::pre_backward", self.module_fqn, pg=self.range_pg):
@@ -530,7 +527,7 @@ class FSDPParamGroup:
         ``use``: the modules run in the use whose backward this is (groups of
         several modules; ``None``: every use not reduced yet).
         """
-        logger.debug("post_backward %s", self.module_fqn)
+        log_hook("FSDP::post_backward", self.module_fqn, self.range_pg)
         ran = self.step.take_use(use, several=len(self.modules) > 1)
         self.step.training_state = TrainingState.POST_BACKWARD
         reduce_grads = self.reduction.settings.reduce_grads

@@ -88,7 +88,7 @@ from ...api import MixedPrecisionPolicy
 from ..comm.comm_context import CommContext
 from ..comm.comm_memory import check_max_input_buffers
 from ..common.mixed_precision import cast_args, cast_floating, input_cast_dtype
-from ..common.profiler_ranges import record_function
+from ..common.profiler_ranges import log_hook, record_function
 from ..common.tensor_tree import map_tensors, tensors_in
 from ..group.arenas import join_arenas
 from ..group.param_group import FSDPParamGroup
@@ -330,6 +330,7 @@ class FSDPState:
                 "returned before the next forward"
             )
         if self.is_root:
+            log_hook("FSDP::root_pre_forward")
             with record_function("FSDP::root_pre_forward"):
                 if self.comm_ctx.active:  # See [Note: Streams] in comm_context.py
                     event, self.post_optim_event = self.post_optim_event, None
@@ -374,6 +375,7 @@ class FSDPState:
             # Groups of several modules that did not all run: finish them now.
             for state in self.root_steps.all_states:
                 if state._modules_to_run:
+                    log_hook("FSDP::force_complete_post_forward")
                     state._modules_to_run.clear()
                     output = state._cast_output(state._finish_forward(output))
         return self._cast_output(output)
@@ -415,6 +417,7 @@ class FSDPState:
     def _end_backward(self) -> None:
         """After the whole backward: reduce what is left and, after the last one, end the step."""
         with record_function("FSDP::root_post_backward_callback"):
+            log_hook("FSDP::root_post_backward")
             self._root_post_backward()
 
     def _root_post_backward(self) -> None:
