@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..._torch_compat import flatten_mesh, local_tensor
+from ..._torch_compat import fake_tensors_active, flatten_mesh, local_tensor
 from ...ragged_placement import RowRuns
 from ..comm import collectives
 from ..comm.comm_context import CommContext
@@ -242,7 +242,7 @@ def _state_layout(slices: ReplicaSlices, mesh: Any) -> tuple[Any, list[RowRuns] 
     group is made, and the ranks' runs are gathered over it.
     """
     mine = _slice_rows(slices)
-    if not mesh.mesh_dim_names:
+    if not mesh.mesh_dim_names or fake_tensors_active():  # (the planner takes no state dicts)
         return None, None
     flat_mesh = flatten_mesh(mesh, "_".join(mesh.mesh_dim_names) + "_state")
     everyone: list = [None] * flat_mesh.size()
