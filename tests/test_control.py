@@ -446,3 +446,58 @@ def _invalid_calls_messages_body(rank, world_size):
 def test_invalid_calls_messages():
     """Wrong types and non-FSDP prefetch targets raise ValueError naming the method, item and fix."""
     run_ranks(_invalid_calls_messages_body, 2)
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(8, 6), torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.lin1(x), self.lin2(x)
+
+
+def _unused_prefetch_phases(shard, rank, world_size):
+    """A backward through ``lin2`` alone (not the last), then one through ``lin1``: each
+    phase's collectives and the gradients."""
+    from checks import log_collectives
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _TwoOutputs())
+    for m in (model[0], model[1].lin1, model[1].lin2, model):
+        shard(m, mesh=cpu_mesh())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    phases = []
+    with log_collectives() as log:
+        out1, out2 = model(x)
+    phases.append(log)
+    model.set_is_last_backward(False)
+    with log_collectives() as log:
+        out2.sum().backward(retain_graph=True)
+    phases.append(log)
+    model.set_is_last_backward(True)
+    with log_collectives() as log:
+        out1.sum().backward()
+    phases.append(log)
+    return phases, [p.grad.full_tensor() for p in model.parameters()]
+
+
+def _unused_prefetch_body(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as upstream
+
+    (ours, ours_grads), (theirs, theirs_grads) = (
+        _unused_prefetch_phases(shard, rank, world_size) for shard in (fully_shard, upstream)
+    )
+    assert ours == theirs, (ours, theirs)
+    for a, b in zip(ours_grads, theirs_grads):
+        assert torch.equal(a, b)
+    # the first backward prefetched lin1 (the previous group in forward order) for a use that
+    # did not come; the second backward takes that all-gather instead of issuing another
+    assert [k for k, *_ in theirs[2]].count("all_gather") == 1, theirs[2]
+
+
+@fsdp2_only
+def test_a_prefetch_no_use_took_serves_the_next_backward():
+    """Upstream's collectives, phase by phase, when a backward prefetch targets a group the
+    backward does not reach (set_is_last_backward(False), then a backward that does)."""
+    run_ranks(_unused_prefetch_body, 2)

@@ -1,14 +1,16 @@
-"""Debug records and warnings on upstream's logger, with upstream's text.
+"""Diagnostics as upstream's: debug records and warnings, with upstream's text.
 
 Upstream's hooks write ``FSDP::pre_forward (layers.0)`` and the like at debug
 level on ``torch.distributed.fsdp.fully_shard`` (what ``TORCH_LOGS="+fsdp"``
-shows), and warn there once about ``reshard_after_forward=1``. fsdp2 writes the
-same records in the same order; each case runs both in one rank and compares.
+shows), warn there once about ``reshard_after_forward=1``, and warn
+(``UserWarning``) when a module's output that needs grad is a view. fsdp2 does
+the same, in the same order; each case runs both in one rank and compares.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -70,9 +72,32 @@ def _both(rank, world_size):
         ours, theirs = _recorded(fsdp2.fully_shard, body), _recorded(upstream, body)
         assert ours == theirs, (body.__name__, ours, theirs)
         assert theirs, body.__name__  # upstream wrote something to compare with
+    caught = []
+    for shard in (fsdp2.fully_shard, upstream):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _view_output(shard)
+        caught.append([(w.category, str(w.message)) for w in seen if "view" in str(w.message)])
+    assert caught[0] == caught[1] and len(caught[1]) == 1, caught
+
+
+class _Viewing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).view(-1)
+
+
+def _view_output(fully_shard) -> None:
+    model = _Viewing()
+    fully_shard(model, mesh=cpu_mesh())
+    model(torch.randn(2, 4)).sum().backward()
 
 
 @fsdp2_only
 def test_records_as_upstream_on_its_logger():
-    """A training step's hook records and the reshard_after_forward=1 warning: upstream's."""
+    """A training step's hook records, the reshard_after_forward=1 warning and the view-output
+    warning: upstream's."""
     run_ranks(_both, 2)

@@ -521,11 +521,12 @@ class FSDPParamGroup:
         with record_function(name, self.module_fqn):
             self._unshard_for_use(prefetch=True)
 
-    def post_backward(self, use: set[nn.Module] | None = None) -> None:
+    def post_backward(self, use: set[nn.Module] | None = None, keep_prefetch: bool = False) -> None:
         """Reshard and reduce-scatter the gradients of this use of the group.
 
         ``use``: the modules run in the use whose backward this is (groups of
-        several modules; ``None``: every use not reduced yet).
+        several modules; ``None``: every use not reduced yet). ``keep_prefetch``:
+        an all-gather prefetched for a use that did not come stays in flight.
         """
         log_hook("FSDP::post_backward", self.module_fqn, self.range_pg)
         ran = self.step.take_use(use, several=len(self.modules) > 1)
@@ -544,7 +545,11 @@ class FSDPParamGroup:
                     self.reduction.hold_unsharded_grads()
                 else:  # only these lists hold the gradients: the reduce-scatter frees each
                     with_grad, grads, filled = self.reduction.take_grads(ran)
-            if self.settings.reshard_after_backward:
+            step = self.step
+            prefetched = not step.is_unsharded and (
+                step.pending_unshard is not None or step.pending_staged is not None
+            )
+            if self.settings.reshard_after_backward and not (keep_prefetch and prefetched):
                 with record_function("FSDP::post_backward_reshard", fqn, when=split, pg=self.range_pg):
                     self.reshard()
         if not reduce_grads:
@@ -573,7 +578,10 @@ class FSDPParamGroup:
             if defer_reduction and self.reduction.settings.reduce_grads:
                 self.step.post_backward_pending = True
             else:
-                self.post_backward()
+                # A backward prefetch no use of this backward took (the previous group in
+                # forward order, not run here) stays in flight for the next backward, as
+                # upstream's; the end of the step drops it (end_step)
+                self.post_backward(keep_prefetch=True)
         self.reduction.wait_for_grad_offload()
         self.step.training_state = TrainingState.IDLE
 

@@ -74,6 +74,7 @@ Default backward prefetch] in backward_prefetch.py).
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -83,6 +84,7 @@ from ..._torch_compat import (
     functorch_active,
     in_backward,
     queue_backward_callback,
+    view_base,
 )
 from ...api import MixedPrecisionPolicy
 from ..comm.comm_context import CommContext
@@ -392,6 +394,8 @@ class FSDPState:
             # dataclasses too (see tensor_tree.py), which pytree does not look into
             for t in tensors_in(output):
                 if t.requires_grad:
+                    if view_base(t) is not None:
+                        _warn_view_output(self.modules)
                     t.register_hook(self._pre_backward)
             if functorch_active():  # See [Note: torch.func transforms]
                 output = hook_outputs_in_transform(output, self._pre_backward)
@@ -598,3 +602,16 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
         module.register_state_dict_pre_hook(before_save)
         module.register_load_state_dict_pre_hook(before_load)
         module.register_load_state_dict_post_hook(after_load)
+
+
+def _warn_view_output(modules: tuple[nn.Module, ...]) -> None:
+    """Upstream's warning for an output that is a view (its text, its class)."""
+    names = ", ".join(type(m).__name__ for m in modules) or "?"
+    warnings.warn(
+        f"FSDP2-wrapped module ({names}) returned a view tensor. An in-place op on this view "
+        "(e.g., `x += y`) will silently drop the pre-backward hook and skip the all-gather, "
+        "which can cause backward to fail or produce wrong gradients. Use out-of-place ops "
+        "(`out = out + y`, not `out += y`) or `.clone()` the output before any in-place op.",
+        UserWarning,
+        stacklevel=4,
+    )
