@@ -76,11 +76,14 @@ def _step(cfg: dict, model, optim, i: int) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def _state_bytes(optim, handle) -> int:
+def _state_tensors(optim, handle) -> list[torch.Tensor]:
     tensors = [t for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
-    tensors += handle.state_tensors()
+    return tensors + handle.state_tensors()
+
+
+def _state_bytes(optim, handle) -> int:
     total = 0
-    for t in tensors:
+    for t in _state_tensors(optim, handle):
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
     return total
@@ -118,10 +121,14 @@ def hsdp_optim_body(rank: int, world_size: int, cfg: dict, mesh_shape: tuple[int
         if not fake:  # (the scalars are agreed on over replicas: a real collective)
             live = LiveBytes()
             with live:
+                for t in _state_tensors(optim, handle):  # held before: not what it adds
+                    live.see(t)
+                base = live.current
+                live.reset_peak()
                 sd = optim.state_dict()
             out.setdefault("state_dict", {})[name] = max_over_ranks([float(_sd_bytes(sd))])[0]
             out.setdefault("state_dict_peak", {})[name] = max_over_ranks(
-                [float(live.peak)])[0]
+                [float(live.peak - base)])[0]
             del sd
         out["wire"][name] = wire.bytes
         runs[name] = (model, optim)
