@@ -121,7 +121,8 @@ def hsdp_optim_body(rank: int, world_size: int, cfg: dict, mesh_shape: tuple[int
         if not fake:  # (the scalars are agreed on over replicas: a real collective)
             live = LiveBytes()
             with live:
-                for t in _state_tensors(optim, handle):  # held before: not what it adds
+                params = [p for g in optim.param_groups for p in g["params"]]
+                for t in _state_tensors(optim, handle) + params:  # held before: not added
                     live.see(t)
                 base = live.current
                 live.reset_peak()
