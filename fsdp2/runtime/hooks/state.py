@@ -74,31 +74,28 @@ Default backward prefetch] in backward_prefetch.py).
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..._torch_compat import (
-    functorch_active,
     in_backward,
     queue_backward_callback,
-    view_base,
 )
 from ...api import MixedPrecisionPolicy
 from ..comm.comm_context import CommContext
 from ..comm.comm_memory import check_max_input_buffers
 from ..common.mixed_precision import cast_args, cast_floating, input_cast_dtype
 from ..common.profiler_ranges import log_hook, record_function
-from ..common.tensor_tree import map_tensors, tensors_in
+from ..common.tensor_tree import map_tensors
 from ..group.arenas import join_arenas
 from ..group.param_group import FSDPParamGroup
 from ..group.step_state import TrainingState
 from ..storage.ragged import load_rows
 from .divergence import check_same_model
-from .func_transforms import hook_outputs_in_transform
 from .post_backward_node import register_post_backward
+from .pre_backward_hooks import hook_outputs
 from .shared_params import check_shared_params
 
 logger = logging.getLogger(__name__)
@@ -391,14 +388,7 @@ class FSDPState:
         for group in self.param_groups:
             group.post_forward()
         if torch.is_grad_enabled():
-            # dataclasses too (see tensor_tree.py), which pytree does not look into
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    if view_base(t) is not None:
-                        _warn_view_output(self.modules)
-                    t.register_hook(self._pre_backward)
-            if functorch_active():  # See [Note: torch.func transforms]
-                output = hook_outputs_in_transform(output, self._pre_backward)
+            output = hook_outputs(output, self._pre_backward, self.modules)
         return output
 
     # ---- backward hooks -------------------------------------------------------
@@ -602,16 +592,3 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
         module.register_state_dict_pre_hook(before_save)
         module.register_load_state_dict_pre_hook(before_load)
         module.register_load_state_dict_post_hook(after_load)
-
-
-def _warn_view_output(modules: tuple[nn.Module, ...]) -> None:
-    """Upstream's warning for an output that is a view (its text, its class)."""
-    names = ", ".join(type(m).__name__ for m in modules) or "?"
-    warnings.warn(
-        f"FSDP2-wrapped module ({names}) returned a view tensor. An in-place op on this view "
-        "(e.g., `x += y`) will silently drop the pre-backward hook and skip the all-gather, "
-        "which can cause backward to fail or produce wrong gradients. Use out-of-place ops "
-        "(`out = out + y`, not `out += y`) or `.clone()` the output before any in-place op.",
-        UserWarning,
-        stacklevel=4,
-    )
