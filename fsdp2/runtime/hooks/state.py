@@ -165,6 +165,7 @@ class FSDPState:
         self._pre_forward = torch.compiler.disable(self._pre_forward)
         self._post_forward = torch.compiler.disable(self._post_forward)
         self._pre_backward = torch.compiler.disable(self._pre_backward)
+        self._end_backward = torch.compiler.disable(self._end_backward)  # the root's callback
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
