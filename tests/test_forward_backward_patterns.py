@@ -201,3 +201,46 @@ def test_forward_under_no_grad_then_training(world_size, optimizer):
     """An evaluation forward under ``no_grad`` first: every step's loss and parameter is the
     unsharded model's (docs/differences.md, "Upstream bugs fsdp2 does not have")."""
     run_ranks(_eval_then_train_body, world_size, optimizer)
+
+
+def _frozen_first_layer_reshard_to_two(rank, world_size):
+    """Per-layer fully_shard with reshard_after_forward=2, the first layer frozen (no backward
+    reaches it), a no_grad forward between steps, then the layer unfrozen: the parameters the
+    optimizer holds are the module's again after each forward, so the unfrozen layer trains
+    as in the plain model (upstream leaves it on its post-forward parameters: docs/differences.md)."""
+    torch.manual_seed(42)
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(8, 8), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    ref = copy.deepcopy(model)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=cpu_mesh(), reshard_after_forward=2)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for m in (ref, model):
+        m[0].requires_grad_(False)
+    inp = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    for it in range(3):
+        for m, opt in zip((ref, model), opts):
+            if it == 2:
+                m[0].requires_grad_(True)
+            if it == 1:
+                with torch.no_grad():
+                    m(inp)
+                continue
+            m(inp).sum().backward()
+            if m is ref:  # the reference: the gradients of the whole batch's mean
+                for p in m.parameters():
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad.div_(world_size)
+            opt.step()
+            opt.zero_grad()
+    assert_params_match(ref, model, RTOL, ATOL)
+
+
+@fsdp2_only
+def test_a_frozen_layer_unfrozen_after_forwards_at_reshard_to_two():
+    """reshard_after_forward=2 (W=4), a first layer no backward reaches, then unfrozen."""
+    run_ranks(_frozen_first_layer_reshard_to_two, 4)
