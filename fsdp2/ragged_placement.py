@@ -54,11 +54,17 @@ class RaggedShardBase(ShardWithOwnRows):
 
     row_bounds: tuple[int, ...] = ()
 
-    def _sizes(self) -> list[int]:
-        return [b - a for a, b in zip(self.row_bounds, self.row_bounds[1:])]
+    def _run(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s ``(first row, rows)``."""
+        return self.row_bounds[rank], self.row_bounds[rank + 1] - self.row_bounds[rank]
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """Each rank's ``(first row, rows)``, in the mesh dim's rank order."""
+        return [self._run(rank) for rank in range(len(self.row_bounds) - 1)]
 
     def rows_of(self, rank: int) -> tuple[int, int]:
-        return self.row_bounds[rank + 1] - self.row_bounds[rank], self.row_bounds[rank]
+        start, rows = self._run(rank)
+        return rows, start
 
     def _padded(self, rows: torch.Tensor, most: int) -> torch.Tensor:
         """``rows`` padded with zeros to ``most`` rows on the shard dim."""
@@ -68,10 +74,10 @@ class RaggedShardBase(ShardWithOwnRows):
         return torch.nn.functional.pad(rows, [0, 0] * (rows.dim() - self.dim - 1) + [0, pad])
 
     def split(self, tensor: torch.Tensor, with_padding: bool, contiguous: bool) -> tuple:
-        sizes = self._sizes()
-        most = max(sizes) if with_padding else 0
+        runs = self._runs()
+        most = max(rows for _, rows in runs) if with_padding else 0
         shards, pads = [], []
-        for start, size in zip(self.row_bounds, sizes):
+        for start, size in runs:
             shard = tensor.narrow(self.dim, start, size)
             if with_padding:
                 shard = self._padded(shard, most)
@@ -80,15 +86,15 @@ class RaggedShardBase(ShardWithOwnRows):
         return shards, pads
 
     def gathered(self, local: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
-        sizes = self._sizes()
-        most = max(sizes)
+        runs = self._runs()
+        most = max(rows for _, rows in runs)
         gathered = gather_rows_on_mesh_dim(self._padded(local, most).contiguous(), mesh, mesh_dim)
         blocks = gathered.split(most, dim=self.dim)
-        return torch.cat([b.narrow(self.dim, 0, s) for b, s in zip(blocks, sizes)], self.dim)
+        in_rows = sorted(range(len(runs)), key=lambda k: runs[k][0])  # the rank order, ragged
+        return torch.cat([blocks[k].narrow(self.dim, 0, runs[k][1]) for k in in_rows], self.dim)
 
     def rows_for(self, local: torch.Tensor, shard_index: int) -> torch.Tensor:
-        start = self.row_bounds[shard_index]
-        size = self.row_bounds[shard_index + 1] - start
+        start, size = self._run(shard_index)
         return local.narrow(self.dim, start, size).clone()
 
     def _key(self) -> tuple:
@@ -133,35 +139,11 @@ class RowRuns(RaggedShardBase):
     def _key(self) -> tuple:
         return (RowRuns, self.runs)
 
-    def _sizes(self) -> list[int]:
-        return [rows for _, rows in self.runs]
+    def _run(self, rank: int) -> tuple[int, int]:
+        return self.runs[rank]
 
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        start, rows = self.runs[rank]
-        return rows, start
-
-    def split(self, tensor: torch.Tensor, with_padding: bool, contiguous: bool) -> tuple:
-        most = max(self._sizes()) if with_padding else 0
-        shards, pads = [], []
-        for start, rows in self.runs:
-            shard = tensor.narrow(0, start, rows)
-            if with_padding:
-                shard = self._padded(shard, most)
-            shards.append(shard.contiguous() if contiguous else shard)
-            pads.append(most - rows if with_padding else 0)
-        return shards, pads
-
-    def gathered(self, local: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
-        sizes = self._sizes()
-        most = max(sizes)
-        gathered = gather_rows_on_mesh_dim(self._padded(local, most).contiguous(), mesh, mesh_dim)
-        blocks = gathered.split(most, dim=0)
-        in_rows = sorted(range(len(self.runs)), key=lambda k: self.runs[k][0])
-        return torch.cat([blocks[k].narrow(0, 0, sizes[k]) for k in in_rows], 0)
-
-    def rows_for(self, local: torch.Tensor, shard_index: int) -> torch.Tensor:
-        start, rows = self.runs[shard_index]
-        return local.narrow(0, start, rows).clone()
+    def _runs(self) -> list[tuple[int, int]]:
+        return list(self.runs)
 
     def __repr__(self) -> str:
         return f"RowRuns({self.runs})"

@@ -59,6 +59,7 @@ class _PostBackwardInTransform(torch.autograd.Function):
         ctx.uses = inputs[0]
 
     @staticmethod
+    @torch.compiler.disable  # eager, like the other hooks (it swaps parameters, reduces)
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         _post_backward(ctx.uses)
         return (None, *grads)
@@ -70,7 +71,6 @@ class _PostBackwardInTransform(torch.autograd.Function):
         return tangents
 
 
-@torch.compiler.disable  # (also reached from the torch.func form's backward)
 def _post_backward(uses: GroupUses) -> None:
     for group, use in reversed(uses):  # the last group first, as upstream's chained nodes
         group.post_backward(use)
