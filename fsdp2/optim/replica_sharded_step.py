@@ -103,13 +103,12 @@ class SlicedRun:
         """A loaded value in ``RowRuns`` must name these slices' rows of ``p``."""
         if not (isinstance(value, DTensor) and isinstance(value.placements[0], RowRuns)):
             return
-        ours = self.slices.state_placements
-        index = next(i for i, fp in enumerate(self.slices.flat.fsdp_params) if fp.sharded_param is p)
-        if ours is None or value.placements[0] != ours[index]:
+        ours = self.slices.placement_of(p)
+        if value.placements[0] != ours:
             raise ValueError(
                 f"load_state_dict: state {key!r} of a parameter of shape {tuple(p.shape)} is in "
                 f"placement {value.placements[0]}, and this optimizer's slices of it are "
-                f"{ours[index] if ours else 'not runs of rows'} (the state dict of another mesh "
+                f"{ours or 'not runs of rows'} (the state dict of another mesh "
                 "or replica count): load it through DCP (dcp.load or fsdp2.load_checkpoint), "
                 "which reshards"
             )
@@ -337,7 +336,7 @@ class ReplicaShardedStep:
                         if not math.isnan(known[i, j]):
                             entry[key] = torch.tensor(known[i, j], dtype=_scalar_dtype())
                     if placements is not None:
-                        entry.update(_slice_views(slices, placements, r, p, off, n, tensor_keys))
+                        entry.update(_slice_views(slices, r, p, off, n, tensor_keys))
                     start = r.run_start + off
                     shape = local_tensor(p).shape
                     for key, full in gathered.items():
@@ -347,13 +346,11 @@ class ReplicaShardedStep:
 
 
 def _slice_views(
-    slices: ReplicaSlices, placements: list, sliced: SlicedRun, p: torch.Tensor, off: int,
-    n: int, keys: list[str],
+    slices: ReplicaSlices, sliced: SlicedRun, p: torch.Tensor, off: int, n: int, keys: list[str],
 ) -> dict[str, DTensor]:
     """``p``'s rows in this rank's slice of each state ``key``: views of the live state, as
     DTensors on the flattened mesh with the parameter's ``RowRuns``."""
-    index = next(i for i, fp in enumerate(slices.flat.fsdp_params) if fp.sharded_param is p)
-    placement = placements[index]
+    placement = slices.placement_of(p)
     rows = placement.rows_of(slices.state_mesh.get_local_rank())[0]
     start = sliced.run_start + off
     lo, hi = (min(max(cut, start), start + n) for cut in (slices.start, slices.stop))

@@ -90,6 +90,14 @@ class ReplicaSlices:
         self.state_mesh: Any = None
         self.state_placements: list[RowRuns] | None = None
 
+    def placement_of(self, param: torch.Tensor) -> RowRuns | None:
+        """The ``RowRuns`` naming each rank's rows of ``param`` (one of the group's sharded
+        parameters) in state dicts; ``None`` where the slices are no runs of rows."""
+        if self.state_placements is None:
+            return None
+        index = next(i for i, p in enumerate(self.flat.fsdp_params) if p.sharded_param is param)
+        return self.state_placements[index]
+
     def covers(self, flat_grad: torch.Tensor) -> bool:
         """Whether ``flat_grad`` is laid out as the whole buffer (every slot has a gradient)."""
         return flat_grad.numel() == self.numel
