@@ -96,7 +96,15 @@ def _child(
                 backend, store=store, rank=rank, world_size=world_size,
                 pg_options=_oversubscribed(rank, world_size),
             )
-        result = fn(rank, world_size, *args)
+        profile_dir = os.environ.get("FSDP2_PROFILE_DIR")  # where the suite's time goes
+        if profile_dir:
+            import cProfile
+
+            profile = cProfile.Profile()
+            result = profile.runcall(fn, rank, world_size, *args)
+            profile.dump_stats(os.path.join(profile_dir, f"rank{rank}-{os.getpid()}.prof"))
+        else:
+            result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         # Only tear down on success: after an error other ranks may be stuck

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from checks import TorchAllGather, TorchReduceScatter
-from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
+from models import build_transformer, cpu_mesh, full_all, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import (
@@ -427,14 +427,15 @@ class Sequence:
     def compare(self) -> list[str]:
         ours, theirs = self.sides
         problems: list[str] = []
+        self._whole = []  # (ours, theirs, problem): other layouts, gathered together at the end
         same = self._same
         names = [n for n, _ in ours.model.named_parameters()]
         for n, p, q in zip(names, ours.model.parameters(), theirs.model.parameters()):
-            if not same(p.detach(), q.detach()):
+            if not same(p.detach(), q.detach(), f"parameter {n}"):
                 problems.append(f"parameter {n}")
             if (p.grad is None) != (q.grad is None):
                 problems.append(f"{n}.grad is {p.grad is None and 'None' or 'set'}")
-            elif p.grad is not None and not same(p.grad, q.grad):
+            elif p.grad is not None and not same(p.grad, q.grad, f"{n}.grad"):
                 problems.append(f"{n}.grad")
             if p.requires_grad != q.requires_grad:
                 problems.append(f"{n}.requires_grad")
@@ -456,16 +457,25 @@ class Sequence:
         for i, ((kind, a), (_, b)) in enumerate(zip(ours.held_dicts, theirs.held_dicts)):
             problems += self._same_state(a, b, f"held {kind} state dict {i}")
         for i, (a, b) in enumerate(zip(ours.held_tensors, theirs.held_tensors)):
-            if not same(a, b):
+            if not same(a, b, f"held state tensor {i}"):
                 problems.append(f"held state tensor {i}")
+        # whole values: one batched gather on every rank (the walk above is the same on each)
+        fulls = full_all([t for a, b, _ in self._whole for t in (a, b)])
+        problems += [problem for (*_, problem), a, b in zip(self._whole, fulls[::2], fulls[1::2])
+                     if not torch.equal(a, b)]
         return problems
 
-    def _same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+    def _same(self, a: torch.Tensor, b: torch.Tensor, problem: str) -> bool:
+        """False where ``a`` and ``b`` differ; DTensors on another layout are compared as whole
+        values after the walk (reported there as ``problem``)."""
         if isinstance(a, DTensor) != isinstance(b, DTensor):
             return False
         if isinstance(a, DTensor):
-            if self.ragged:  # another layout: compare whole values (a collective, every rank)
-                return a.shape == b.shape and torch.equal(full(a), full(b))
+            if self.ragged:
+                if a.shape != b.shape:
+                    return False
+                self._whole.append((a, b, problem))
+                return True
             a, b = a.to_local(), b.to_local()
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
@@ -480,7 +490,7 @@ class Sequence:
                 return [f"{where}: {a!r} vs {b!r}"]
             return [p for i, (x, y) in enumerate(zip(a, b)) for p in self._same_state(x, y, f"{where}[{i}]")]
         if isinstance(b, torch.Tensor):
-            if type(a) is not type(b) or not self._same(a, b):
+            if type(a) is not type(b) or not self._same(a, b, f"{where} differs"):
                 return [f"{where} differs"]
             return []
         if isinstance(a, torch.Tensor) or (a != b and not (a != a and b != b)):  # NaN == NaN

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _multiproc import RankError, run_ranks
-from models import assert_grads_match, full, global_mean, rank_slice
+from models import assert_grads_match, full, full_all, global_mean, rank_slice
 from torch.distributed.tensor import DTensor, Shard
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -144,7 +144,8 @@ def train_alone(model, batches, loss_fn, rank=None, world_size=1, opt=None, *, m
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter by name as a full plain tensor (sharded or not), detached copies."""
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    return {n: t.clone() for n, t in zip(names, full_all(p.detach() for p in params))}
 
 
 def assert_losses_match(ref_losses, losses):
@@ -395,13 +396,24 @@ def train_span(model, optim, first: int, last: int, rank, world_size, *, mean=Fa
 
 def full_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor (a collective), cloned."""
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    return full_params(model)
+
+
+def assert_same_params(ours: nn.Module, theirs: nn.Module, where: str = "") -> None:
+    """``ours``' parameters equal ``theirs``' to the bit, as full tensors, in order (any layouts)."""
+    names, params = zip(*ours.named_parameters())
+    others = list(theirs.parameters())
+    assert len(others) == len(params), (where, len(params), len(others))
+    fulls = full_all([p.detach() for p in params] + [q.detach() for q in others])
+    for name, got, want in zip(names, fulls, fulls[len(params):]):
+        assert torch.equal(got, want), f"{where}: {name} differs"
 
 
 def assert_full_equal(model: nn.Module, expected: dict[str, torch.Tensor], where: str = "") -> None:
     """Every parameter of ``model`` equals ``expected``'s to the bit."""
-    for name, p in model.named_parameters():
-        assert torch.equal(full(p.detach()), expected[name]), f"{where}: {name} differs"
+    names, params = zip(*model.named_parameters())
+    for name, got in zip(names, full_all(p.detach() for p in params)):
+        assert torch.equal(got, expected[name]), f"{where}: {name} differs"
 
 
 # ---------------------------------------------------------------- offloaded-state runs

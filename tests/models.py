@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -297,8 +298,9 @@ def _shard_sizes(placement, size: int, world: int) -> list[int] | None:
     return None
 
 
-def _gather_shards(t: DTensor) -> torch.Tensor | None:
-    """``t.full_tensor()`` by all-gathers of padded shards, or None where that is not it."""
+def _shard_plan(t: DTensor) -> list[tuple[Any, int, list[int]]] | None:
+    """(process group, tensor dim, each rank's rows) per sharded mesh dim of ``t``, or None
+    where all-gathers of padded shards are not ``t.full_tensor()``."""
     mesh, placements = t.device_mesh, t.placements
     sharded = [
         (i, p.dim, _shard_sizes(p, t.shape[p.dim], mesh.size(i))) if isinstance(p, Shard)
@@ -317,17 +319,69 @@ def _gather_shards(t: DTensor) -> torch.Tensor | None:
     groups = [mesh.get_group(i) for i, _, _ in sharded]
     if any(dist.get_backend(g) not in ("fsdp2_shm", "gloo") for g in groups):
         return None
+    return [(group, dim, sizes) for group, (_, dim, sizes) in zip(groups, sharded)]
+
+
+def _padded_rows(value: torch.Tensor, dim: int, most: int) -> torch.Tensor:
+    rows = value.movedim(dim, 0)
+    padded = rows.new_zeros((most, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    return padded
+
+
+def _unpad(blocks: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+    """``blocks`` (ranks, most, ...): each rank's first ``sizes[r]`` rows, joined on ``dim``."""
+    return torch.cat([b[:n] for b, n in zip(blocks, sizes)]).movedim(0, dim)
+
+
+def _gather_shards(t: DTensor) -> torch.Tensor | None:
+    """``t.full_tensor()`` by all-gathers of padded shards, or None where that is not it."""
+    plan = _shard_plan(t)
+    if plan is None:
+        return None
     value = t.to_local()
-    for (_, dim, sizes), group in zip(sharded, groups):
-        rows = value.movedim(dim, 0)
-        most = max(sizes)
-        padded = rows.new_zeros((most, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        out = rows.new_empty((len(sizes) * most, *rows.shape[1:]))
+    for group, dim, sizes in plan:
+        padded = _padded_rows(value, dim, max(sizes))
+        out = padded.new_empty((len(sizes), *padded.shape))
         dist.all_gather_into_tensor(out, padded, group=group)
-        blocks = [b[:n] for b, n in zip(out.split(most) if most else [out] * len(sizes), sizes)]
-        value = torch.cat(blocks).movedim(0, dim)
+        value = _unpad(out, sizes, dim)
     return value.contiguous()
+
+
+def full_all(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``[full(t) for t in tensors]`` (None stays None) in one all-gather per process group
+    and dtype for the tensors sharded on one mesh dim: the parity checks gather every
+    parameter after every step, and one collective a tensor was most of their cost.
+
+    A collective: every rank passes the same tensors in the same order.
+    """
+    tensors = list(tensors)
+    fulls: list[torch.Tensor | None] = list(tensors)
+    batches: dict[tuple[int, torch.dtype], list[tuple[int, Any, int, list[int]]]] = {}
+    others = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            continue
+        plan = _shard_plan(t)
+        if plan is None or len(plan) != 1:
+            others.append(i)
+            continue
+        ((group, dim, sizes),) = plan
+        batches.setdefault((id(group), t.dtype), []).append((i, group, dim, sizes))
+    for batch in batches.values():
+        pieces = [_padded_rows(tensors[i].to_local(), dim, max(sizes)) for i, _, dim, sizes in batch]
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        group, ranks = batch[0][1], len(batch[0][3])
+        out = flat.new_empty((ranks, flat.numel()))
+        dist.all_gather_into_tensor(out, flat, group=group)
+        start = 0
+        for (i, _, dim, sizes), piece in zip(batch, pieces):
+            blocks = out[:, start : start + piece.numel()].reshape(ranks, *piece.shape)
+            fulls[i] = _unpad(blocks, sizes, dim).contiguous()
+            start += piece.numel()
+    for i in others:
+        fulls[i] = full(tensors[i])
+    return fulls
 
 
 def assert_params_match(ref: nn.Module, model: nn.Module, rtol: float = 1e-5, atol: float = 1e-6):
@@ -337,7 +391,8 @@ def assert_params_match(ref: nn.Module, model: nn.Module, rtol: float = 1e-5, at
     so a mismatch seen on only some ranks cannot desynchronize collectives.
     """
     ref_params = dict(ref.named_parameters())
-    fulls = {name: full(p.detach()) for name, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    fulls = dict(zip(names, full_all(p.detach() for p in params)))
     assert sorted(ref_params) == sorted(fulls), (sorted(ref_params), sorted(fulls))
     for name, ref_p in ref_params.items():
         p = fulls[name]
@@ -350,7 +405,8 @@ def assert_params_match(ref: nn.Module, model: nn.Module, rtol: float = 1e-5, at
 def assert_grads_match(ref: nn.Module, model: nn.Module, rtol: float = 1e-5, atol: float = 1e-6):
     """Every parameter's ``.grad`` of ``model`` (by name) equals ``ref``'s (or both None)."""
     ref_params = dict(ref.named_parameters())
-    grads = {name: None if p.grad is None else full(p.grad) for name, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    grads = dict(zip(names, full_all(p.grad for p in params)))
     assert sorted(ref_params) == sorted(grads), (sorted(ref_params), sorted(grads))
     for name, g in grads.items():
         ref_g = ref_params[name].grad

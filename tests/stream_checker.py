@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -445,8 +446,6 @@ class _SimWork:
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -464,7 +463,14 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
+    # an op's argument is a tensor, a flat list of them, or something else (the checker
+    # sees every op: the first two skip pytree)
+    if isinstance(value, torch.Tensor):
+        leaves = (value,)
+    elif isinstance(value, (list, tuple)) and not any(isinstance(v, (list, tuple, dict)) for v in value):
+        leaves = value
+    else:
+        leaves, _ = tree_flatten(value)
     out = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 from _impl import IMPL
-from checks import assert_same_optimizer_state, check_case, persistent_cache_dir
-from models import build_mlp, cpu_mesh, full, mlp_batch, mlp_loss, rank_slice, shard_mlp
+from checks import assert_same_optimizer_state, assert_same_params, check_case, persistent_cache_dir
+from models import build_mlp, cpu_mesh, mlp_batch, mlp_loss, rank_slice, shard_mlp
 
 import fsdp2
 from fsdp2.optim import flat_step_engine
@@ -36,11 +36,6 @@ def _pair(ragged: bool = False):
     shard_mlp(ours, fsdp2.fully_shard, mesh=cpu_mesh(), **layout)
     shard_mlp(theirs, upstream_fully_shard, mesh=cpu_mesh())
     return ours, theirs
-
-
-def _assert_equal(ours, theirs, where: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        assert torch.equal(full(p.detach()), full(q.detach())), f"{where}: {name} differs"
 
 
 def _batch(step, rank, world_size):
@@ -79,7 +74,7 @@ def _compiled_steps(backend: str, rank: int, world_size: int, ragged: bool = Fal
             mlp_loss(m, _batch(step, rank, world_size)).backward()
             (c if use_compiled else o.step)()
             o.zero_grad()
-        _assert_equal(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
+        assert_same_params(ours, theirs, f"step {step} ({'compiled' if use_compiled else 'eager'})")
     assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
     engine = flat_step_engine(opts[0])
     assert engine is not None and engine.runs()
@@ -101,7 +96,7 @@ def _step_inside_compiled_function(rank, world_size, ragged=False):
     for step in range(3):
         for m, o in zip((ours, theirs), opts):
             compiled(m, o, _batch(step, rank, world_size))
-        _assert_equal(ours, theirs, f"step {step}")
+        assert_same_params(ours, theirs, f"step {step}")
     assert_same_optimizer_state(opts[0], opts[1], layouts_differ=ragged)
 
 
@@ -115,7 +110,7 @@ def _compiled_model_keeps_the_flat_step(rank, world_size):
             mlp_loss(m, _batch(step, rank, world_size)).backward()
             o.step()
             o.zero_grad()
-        _assert_equal(ours, theirs, f"step {step}")
+        assert_same_params(ours, theirs, f"step {step}")
     engine = flat_step_engine(opts[0])
     assert engine is not None and all(r.flat_steps == 2 for r in engine.runs())  # after the first
 

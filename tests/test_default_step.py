@@ -17,7 +17,7 @@ import pytest
 import torch
 from _impl import IMPL
 from _multiproc import run_ranks
-from checks import assert_same_optimizer_state, check_case
+from checks import assert_same_optimizer_state, assert_same_params, check_case
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
@@ -58,8 +58,7 @@ def _loop(models, opts, rank, world_size, steps, *, first=0, closure_at=(), to_n
             o.zero_grad(set_to_none=to_none)
         for s in scheds:
             s.step()
-        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(full(p.detach()), full(q.detach())), f"step {step}: {name} differs"
+        assert_same_params(models[0], models[1], f"step {step}")
 
 
 def _stock_loop_matches_upstream(rank, world_size):

@@ -18,8 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _impl import fully_shard
 from _multiproc import DEFAULT_TIMEOUT_S, run_ranks
-from checks import check_case
-from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
+from checks import assert_same_params, check_case
+from models import build_transformer, cpu_mesh, full_all, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -57,17 +57,19 @@ def _groups(model):
 
 
 def _set_ref_grads(ref, model):
-    for r, p in zip(ref.parameters(), model.parameters()):
-        r.grad = None if p.grad is None else full(p.grad).clone()
+    for r, g in zip(ref.parameters(), full_all(p.grad for p in model.parameters())):
+        r.grad = None if g is None else g.clone()
 
 
 def _assert_same(ref, model, where, exact=True):
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+    names, params = zip(*model.named_parameters())
+    fulls = full_all(p.detach() for p in params)
+    for name, p, got, r in zip(names, params, fulls, ref.parameters()):
         assert isinstance(p, DTensor), (where, name)
         if exact:
-            assert torch.equal(full(p.detach()), r.detach()), f"{where}: {name} differs"
+            assert torch.equal(got, r.detach()), f"{where}: {name} differs"
         else:  # one rounding apart at most (see _train)
-            torch.testing.assert_close(full(p.detach()), r.detach(), rtol=2e-7, atol=1e-8)
+            torch.testing.assert_close(got, r.detach(), rtol=2e-7, atol=1e-8)
 
 
 def _assert_same_state(got_opt, want_opt, where, exact=True):
@@ -227,8 +229,7 @@ def _dcp_round_trip(rank, world_size, path):
             loss_of(m, batch).backward()
             o.step()
             o.zero_grad()
-        for (n, p), q in zip(model.named_parameters(), slow.parameters()):
-            assert torch.equal(full(p.detach()), full(q.detach())), (step, n)
+        assert_same_params(model, slow, f"step {step}")
     _assert_same_state(opt, slow_opt, "after load and steps")
 
 

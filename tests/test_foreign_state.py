@@ -16,8 +16,8 @@ import io
 import pytest
 import torch
 from _impl import IMPL
-from checks import assert_same_optimizer_state, check_case
-from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
+from checks import assert_same_optimizer_state, assert_same_params, check_case
+from models import build_transformer, cpu_mesh, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
 from torch.distributed.tensor import DTensor
@@ -51,12 +51,7 @@ def _train(pairs, steps, rank, world_size) -> None:
             loss_of(model, batch).backward()
             opt.step()
             opt.zero_grad()
-        _assert_equal(pairs[0][0], pairs[1][0], f"step {step}")
-
-
-def _assert_equal(ours, theirs, where: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        assert torch.equal(full(p.detach()), full(q.detach())), f"{where}: {name} differs"
+        assert_same_params(pairs[0][0], pairs[1][0], f"step {step}")
 
 
 def _saved(obj):
@@ -87,7 +82,7 @@ def _heal_before_and_between_first_steps(rank, world_size):
         opt.load_state_dict(_saved(live_opt.state_dict()))
     _train(live, range(5, 7), rank, world_size)
     _train(healed, range(5, 7), rank, world_size)
-    _assert_equal(healed[0][0], live[0][0], "healed against live")
+    assert_same_params(healed[0][0], live[0][0], "healed against live")
     assert_same_optimizer_state(healed[0][1], healed[1][1])
     assert_same_optimizer_state(healed[0][1], live[0][1])
     _assert_rebuilt(healed[0][1])
@@ -113,11 +108,11 @@ def _loaded_after_backward(rank, world_size):
         opt.zero_grad()
         live_opt.step()
         live_opt.zero_grad()
-    _assert_equal(healed[0][0], live[0][0], "step 3, healed against live")
-    _assert_equal(healed[0][0], healed[1][0], "step 3")
+    assert_same_params(healed[0][0], live[0][0], "step 3, healed against live")
+    assert_same_params(healed[0][0], healed[1][0], "step 3")
     _train(healed, range(4, 6), rank, world_size)
     _train(live, range(4, 6), rank, world_size)
-    _assert_equal(healed[0][0], live[0][0], "healed against live")
+    assert_same_params(healed[0][0], live[0][0], "healed against live")
     assert_same_optimizer_state(healed[0][1], healed[1][1])
     _assert_rebuilt(healed[0][1])  # the flat step attaches once the parameters are adopted
 
@@ -144,7 +139,7 @@ def _received_in_place(rank, world_size):
         steps = range(3 + 2 * with_load, 5 + 2 * with_load)
         _train(live, steps, rank, world_size)
         _train(healed, steps, rank, world_size)
-        _assert_equal(healed[0][0], live[0][0], f"healed against live (load: {with_load})")
+        assert_same_params(healed[0][0], live[0][0], f"healed against live (load: {with_load})")
         assert_same_optimizer_state(healed[0][1], live[0][1])
     _assert_rebuilt(healed[0][1])
 
@@ -174,7 +169,7 @@ def _dcp_state_dict_fns_in_place(rank, world_size):
         set_optimizer_state_dict(model, opt, target)
     _train(live, range(3, 5), rank, world_size)
     _train(healed, range(3, 5), rank, world_size)
-    _assert_equal(healed[0][0], live[0][0], "healed against live")
+    assert_same_params(healed[0][0], live[0][0], "healed against live")
     assert_same_optimizer_state(healed[0][1], live[0][1])
     _assert_rebuilt(healed[0][1])
 
@@ -215,7 +210,7 @@ def _closure_between_flat_steps(rank, world_size):
     for model, opt in pairs:
         opt.step(lambda model=model: loss_of(model, batch).backward())
         opt.zero_grad()
-    _assert_equal(pairs[0][0], pairs[1][0], "the closure's step")
+    assert_same_params(pairs[0][0], pairs[1][0], "the closure's step")
     runs = flat_step_engine(pairs[0][1]).runs()
     before = [r.flat_steps for r in runs]
     _train(pairs, range(3, 5), rank, world_size)

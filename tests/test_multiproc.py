@@ -61,7 +61,7 @@ def test_timeout_kills_ranks():
 
 
 def _full_equals_full_tensor(rank, world_size):
-    from models import _gather_shards, full
+    from models import _gather_shards, full, full_all
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -71,7 +71,7 @@ def _full_equals_full_tensor(rank, world_size):
     if world_size == 4:
         meshes.append(init_device_mesh("cpu", (2, 2)))
     torch.manual_seed(0)
-    fast = 0
+    fast, tensors, wants = 0, [None, torch.arange(3)], [None, torch.arange(3)]
     for mesh in meshes:
         one = [(Shard(0),), (Shard(1),), (Replicate(),)]
         two = [(Replicate(), Shard(0)), (Shard(0), Shard(1)), (Shard(1), Shard(0)), (Shard(0), Shard(0))]
@@ -86,6 +86,8 @@ def _full_equals_full_tensor(rank, world_size):
                     assert got.dtype == want.dtype and torch.equal(got, want), (placements, shape)
                     assert torch.equal(want, value)
                     fast += _gather_shards(d) is not None
+                    tensors.append(d)
+                    wants.append(value)
     partial = DTensor.from_local(torch.ones(3) * rank, meshes[0], [Partial()])  # takes full_tensor()
     assert _gather_shards(partial) is None and torch.equal(full(partial), partial.full_tensor())
     bounds = (0, 4, 4, 7, 9) if world_size == 4 else (0, 1, 7, 9)
@@ -96,11 +98,19 @@ def _full_equals_full_tensor(rank, world_size):
                                shape=value.shape, stride=value.stride())
         assert torch.equal(full(d), value) and torch.equal(d.full_tensor(), value)
         fast += _gather_shards(d) is not None
+        tensors.append(d)
+        wants.append(value)
+    tensors.append(partial)
+    wants.append(partial.full_tensor())
+    # all at once: one all-gather per process group and dtype (the rest one by one)
+    for got, want in zip(full_all(tensors), wants, strict=True):
+        assert got is want is None or (got.dtype == want.dtype and torch.equal(got, want))
     return fast
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_full_gathers_what_full_tensor_gathers(world_size):
     """The tests' ``full`` (plain shards gathered by process-group collectives) is ``full_tensor()``,
-    uneven and empty shards, 2-D meshes and several dtypes included; it takes the fast path."""
+    uneven and empty shards, 2-D meshes and several dtypes included; it takes the fast path.
+    ``full_all`` (many tensors, batched) gives the same."""
     assert all(n > 0 for n in run_ranks(_full_equals_full_tensor, world_size))
