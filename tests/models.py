@@ -342,9 +342,9 @@ def _gather_shards(t: DTensor) -> torch.Tensor | None:
     value = t.to_local()
     for group, dim, sizes in plan:
         padded = _padded_rows(value, dim, max(sizes))
-        out = padded.new_empty((len(sizes), *padded.shape))
+        out = padded.new_empty((len(sizes) * padded.shape[0], *padded.shape[1:]))  # gloo's shape
         dist.all_gather_into_tensor(out, padded, group=group)
-        value = _unpad(out, sizes, dim)
+        value = _unpad(out.view(len(sizes), *padded.shape), sizes, dim)
     return value.contiguous()
 
 
@@ -372,8 +372,9 @@ def full_all(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None
         pieces = [_padded_rows(tensors[i].to_local(), dim, max(sizes)) for i, _, dim, sizes in batch]
         flat = torch.cat([p.reshape(-1) for p in pieces])
         group, ranks = batch[0][1], len(batch[0][3])
-        out = flat.new_empty((ranks, flat.numel()))
+        out = flat.new_empty(ranks * flat.numel())  # gloo's shape: the inputs end to end
         dist.all_gather_into_tensor(out, flat, group=group)
+        out = out.view(ranks, flat.numel())
         start = 0
         for (i, _, dim, sizes), piece in zip(batch, pieces):
             blocks = out[:, start : start + piece.numel()].reshape(ranks, *piece.shape)
