@@ -497,3 +497,29 @@ def test_the_write_back_call_is_the_kernels(tmp_path):
         stream.write(b"y" * n)
         assert stream._done == n  # started through the real call
     assert (tmp_path / "b").read_bytes() == b"y" * n
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c"])
+def test_checksum_maps_windows_and_reads_where_it_cannot_map(tmp_path, monkeypatch, algorithm):
+    """``integrity.checksum`` (a window of the file mapped at a time) is the algorithm's CRC of
+    the whole file: empty, inside one window, across windows; and through plain reads where
+    the file system cannot map files."""
+    import mmap
+    import zlib
+
+    import crc32c
+
+    from fsdp2.checkpoint import integrity
+
+    whole = {"crc32": zlib.crc32, "crc32c": crc32c.crc32c}[algorithm]
+    monkeypatch.setattr(integrity, "_WINDOW", mmap.ALLOCATIONGRANULARITY)
+    data = os.urandom(3 * mmap.ALLOCATIONGRANULARITY + 5)
+    for n in (0, 1, mmap.ALLOCATIONGRANULARITY, len(data)):
+        (tmp_path / f"f{n}").write_bytes(data[:n])
+        assert integrity.checksum(tmp_path / f"f{n}", algorithm) == (n, whole(data[:n])), n
+
+    def no_mapping(*args, **kwargs):
+        raise OSError("mmap: not supported here")
+
+    monkeypatch.setattr(mmap, "mmap", no_mapping)
+    assert integrity.checksum(tmp_path / f"f{len(data)}", algorithm) == (len(data), whole(data))

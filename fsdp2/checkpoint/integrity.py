@@ -24,8 +24,10 @@ metadata only.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +43,43 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 def checksum(path: Path, algorithm: str = crc.DEFAULT) -> tuple[int, int]:
-    """``(size, checksum)`` of the file at ``path``, read in chunks.
+    """``(size, checksum)`` of the file at ``path``, a window of the file mapped at a time.
 
-    Chunks, not one mapping of the file: every page of a mapping zlib reads
-    stays resident while it is mapped, so a whole checkpoint file would be
-    in memory at the end of each save.
+    Mapped, not read: the checksum reads the page cache in place (an 80 MB
+    file: 5.5 ms against 12-18 ms read into a buffer here). A window at a
+    time, not one mapping of the whole file: every page a mapping has read
+    stays resident while it is mapped.
     """
     extend = crc.extender(algorithm)
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    total = size = 0
+    total = 0
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            total = extend(view[:n], total)
-            size += n
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, _WINDOW):
+            length = min(_WINDOW, size - offset)
+            try:
+                window = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset)
+            except OSError:  # a file system that cannot map files: read it
+                f.seek(offset)
+                return size, _read_sum(f, extend, total, size)
+            with window:
+                window.madvise(mmap.MADV_SEQUENTIAL)  # read ahead where it comes from disk
+                with memoryview(window) as view:
+                    total = extend(view, total)
     return size, total
 
 
-_CHUNK = 8 << 20
+_WINDOW = 32 << 20  # a multiple of every page size (mmap offsets must be)
+
+
+def _read_sum(f: Any, extend: Callable[[Any, int], int], total: int, size: int) -> int:
+    """``total`` extended by the rest of ``f``, read in chunks (it must be ``size`` bytes)."""
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        total = extend(view[:n], total)
+    if f.tell() != size:
+        raise OSError(f"read {f.tell()} of {size} bytes")
+    return total
 
 
 def write_manifest(folder: Path, entries: dict[str, list[int]], algorithm: str) -> None:
@@ -96,8 +117,9 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
     """What is wrong with ``folder``, as this rank of ``world`` sees it; ``[]`` if intact.
 
     Every rank checks that each file exists with its recorded size; rank
-    ``r`` also compares the checksums of ``files[r::world]``. Without a
-    manifest only the presence of DCP's metadata is checked.
+    ``r`` also compares the checksums of ``files[r::world]`` (one it cannot
+    read is a problem too). Without a manifest only the presence of DCP's
+    metadata is checked.
     """
     if not folder.is_dir():
         return [f"{folder} does not exist or is not a folder"]
@@ -123,7 +145,11 @@ def problems(folder: Path, rank: int = 0, world: int = 1, hashes: bool = True) -
         if actual != size:
             found.append(f"{name}: {actual} bytes, {size} written (truncated or overwritten)")
         elif hashes and i % world == rank:
-            got = checksum(folder / name, algorithm)[1]
+            try:
+                got = checksum(folder / name, algorithm)[1]
+            except OSError as exc:  # reported, agreed on by every rank
+                found.append(f"{name}: unreadable ({type(exc).__name__}: {exc})")
+                continue
             if got != want:
                 found.append(f"{name}: {label} {got:08x}, {want:08x} written (the bytes changed)")
     if METADATA not in manifest:
