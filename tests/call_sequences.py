@@ -13,8 +13,9 @@ run every collective through custom comms (``set_custom_all_gather`` and
 ``set_custom_reduce_scatter``, on both sides), and a quarter, drawn apart,
 gather with upstream's ``_set_unshard_async_op(True)``; a ``setting`` puts both
 sides on an HSDP mesh, under tensor parallelism (upstream's Colwise/Rowwise plan
-on a (dp, tp) mesh, FSDP on dp), in bf16 mixed precision or without resharding
-after forward. After **every** call it
+on a (dp, tp) mesh, FSDP on dp), in bf16 mixed precision, without resharding
+after forward, or accumulating gradients (``set_requires_gradient_sync`` and
+``set_is_last_backward`` set from each backward's draw). After **every** call it
 compares what a user can observe: the parameters and their gradients to the
 bit, the optimizer's param groups and state (keys, order, types, values),
 the values behind every reference held so far, and whether (and with which
@@ -188,8 +189,10 @@ class Sequence:
             theirs = {"offload_policy": upstream.CPUOffloadPolicy(pin_memory=False)}
         elif setting == "reshard_to_2":  # W = 4: kept over groups of 2 after forward
             ours = theirs = {"reshard_after_forward": 2}
-        elif setting is not None:
+        elif setting is not None and setting != "accumulation":
             raise ValueError(f"unknown setting {setting!r}")
+        # gradient accumulation: each backward sets gradient sync and is_last_backward first
+        self.accumulation = setting == "accumulation"
         self.sides = [
             _build(fsdp2.fully_shard, mesh, self.name, self.kwargs, ragged, ours, tp_mesh),
             _build(upstream.fully_shard, mesh, self.name, self.kwargs, False, theirs, tp_mesh),
@@ -262,6 +265,9 @@ class Sequence:
 
     def backward(self, side: Side, arg: float) -> None:
         batch = rank_slice(batch_of(self.batch, 2 * self.data_size), self.data_rank, self.data_size)
+        if self.accumulation:  # (the call's own draw: the same on both sides)
+            side.model.set_requires_gradient_sync(arg >= 0.4)
+            side.model.set_is_last_backward(arg < 0.2 or arg >= 0.5)
         loss_of(side.model, batch).backward()
         if side is self.sides[-1]:
             self.batch += 1
@@ -525,7 +531,9 @@ def run_sequence(seed: int, rank: int, world_size: int, *, ragged: bool = False,
     both sides on an HSDP mesh (``"hsdp"``, W = 4), under tensor parallelism
     (``"tensor_parallel"``, (dp, tp) = (W / 2, 2)), in bf16 mixed precision
     (``"mixed_precision"``), with ``reshard_after_forward=False`` (``"no_reshard"``) or
-    ``2`` (``"reshard_to_2"``, W = 4), or under ``CPUOffloadPolicy`` (``"cpu_offload"``).
+    ``2`` (``"reshard_to_2"``, W = 4), under ``CPUOffloadPolicy`` (``"cpu_offload"``), or
+    accumulating gradients (``"accumulation"``: each backward first sets
+    ``set_requires_gradient_sync`` and ``set_is_last_backward`` from its draw).
     """
     return Sequence(seed, rank, world_size, ragged=ragged, length=length,
                     optimizer=optimizer, tier=tier, setting=setting).run()

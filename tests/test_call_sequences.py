@@ -45,7 +45,8 @@ def _sequences(ci_seeds: int, **options):
 
 # (world size, cases): dim-0 groups at W=2 and 3 (uneven and empty shards), parameter-major
 # groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers,
-# bf16 mixed precision, HSDP (2 x 2) at W=4, and parameter-major groups under tensor
+# bf16 mixed precision, gradient accumulation (sync and is_last_backward set before each
+# backward), HSDP (2 x 2) at W=4, and parameter-major groups under tensor
 # parallelism (dp 2 x tp 2) against upstream's dim-0 ones.
 CASES = {
     2: {
@@ -54,6 +55,7 @@ CASES = {
         "host-tier": _sequences(1, tier="host"),
         "nvme-tier": _sequences(1, tier="nvme"),
         "mixed-precision": _sequences(1, setting="mixed_precision"),
+        "accumulation": _sequences(1, setting="accumulation"),
     },
     3: {"dim0": _sequences(2)},
     4: {"hsdp": _sequences(1, setting="hsdp"),
