@@ -267,6 +267,32 @@ def _state_dict_round_trip(rank, world_size):
         opt.load_state_dict(sd)
 
 
+def _state_dict_keys_and_held_views(rank, world_size):
+    """Odd sizes, so that some parameters lie wholly in one replica's slice (found by the
+    call sequences): every rank's state dict has every entry, in the parameters' order, as
+    plain HSDP's; a state dict held across ``load_state_dict`` of its own values stays live."""
+    mesh = _mesh()
+    base = build_transformer(seed=5, dim=12, hidden=37, vocab=29)
+    (plain, p_opt, _), (model, opt, _) = _pair(base, mesh, OPTIMS["adamw"])
+    _train(plain, p_opt, rank, world_size, 2)
+    _train(model, opt, rank, world_size, 2)
+    keys = list(opt.state_dict()["state"])
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, keys)
+    assert all(k == list(p_opt.state_dict()["state"]) for k in everyone), everyone
+    held = opt.state_dict()
+    opt.load_state_dict(opt.state_dict())
+    p_opt.load_state_dict(p_opt.state_dict())
+    _train(plain, p_opt, rank, world_size, 1, first=2)
+    _train(model, opt, rank, world_size, 1, first=2)
+    now, plain_now = opt.state_dict(), p_opt.state_dict()
+    for index, values in held["state"].items():
+        for key, value in values.items():
+            if isinstance(value, DTensor):  # the held view shows the step after the load
+                assert torch.equal(value.full_tensor(), now["state"][index][key].full_tensor())
+                assert torch.equal(value.full_tensor(), plain_now["state"][index][key].full_tensor())
+
+
 def _other_shard_dim(rank, world_size):
     """Shard(1) matrices: a slice is no run of rows of them, so their groups' state dicts keep
     plain HSDP's layout (gathered over replicas), with plain HSDP's values."""
@@ -423,6 +449,7 @@ CASES = {
     "clip_and_accumulate": _clip_and_accumulate,
     "collectives": _collectives,
     "state_dict": _state_dict_round_trip,
+    "state_dict_keys_and_held_views": _state_dict_keys_and_held_views,
     "other_shard_dim": _other_shard_dim,
     "remove": _remove,
     "refusals": _refusals,
@@ -461,6 +488,12 @@ def test_collectives(launch_cases):
 def test_state_dict_and_dcp(launch_cases):
     """state_dict() in its true layout; DCP checkpoints load across the option both ways."""
     check_case(launch_cases(4, CASES), "state_dict")
+
+
+def test_state_dict_keys_agree_and_held_views_stay_live(launch_cases):
+    """Every rank's state dict has every entry in order (parameters wholly in another
+    replica's slice too); a held state dict stays live across load_state_dict."""
+    check_case(launch_cases(4, CASES), "state_dict_keys_and_held_views")
 
 
 def test_state_dict_of_another_shard_dim(launch_cases):

@@ -79,13 +79,16 @@ class SlicedRun:
                 if not torch.is_tensor(value) or value.dim() == 0:
                     built.setdefault(key, value.detach().clone() if torch.is_tensor(value) else value)
         for key in {k for v in loaded if v for k, x in v.items() if torch.is_tensor(x) and x.dim()}:
-            flat = torch.zeros(self.end - self.begin, dtype=self.param.dtype, device=self.param.device)
+            flat = self.param.new_zeros(self.end - self.begin)
             for values, p, off, n in zip(loaded, self.run.params, self.run.offsets, self.run.numels):
                 lo, hi = max(off, self.begin), min(off + n, self.end)
                 if values is not None and key in values and hi > lo:
                     flat[lo - self.begin : hi - self.begin].copy_(
                         self._loaded_part(values[key], p, key, lo - off, hi - off)
                     )
+            held = self.state.get(key)  # written in place: the views a caller holds stay live
+            if torch.is_tensor(held) and held.shape == flat.shape and held.dtype == flat.dtype:
+                flat = held.copy_(flat)  # (after the parts were read: they may be its views)
             built[key] = flat
         self.state = built
         self._publish_scalars(state)
@@ -286,6 +289,10 @@ class ReplicaShardedStep:
                 index_of[id(p)] = index
         for key, (_, entry) in self._gathered(true_layout=True).items():
             sd["state"][index_of[key]] = entry
+        # A replica with no part of a parameter holds no state of it, so torch's own dict
+        # (optimizer.state's order) lacked it until here: in the parameters' order, the same
+        # keys in the same order on every rank (plain HSDP's, where state came in that order).
+        sd["state"] = dict(sorted(sd["state"].items()))
         return sd
 
     def _gathered(self, true_layout: bool = False) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
