@@ -18,6 +18,7 @@ test_streams.py. See [Note: Replica slices] in fsdp2/runtime/group/replica_slice
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -270,7 +271,8 @@ def _state_dict_round_trip(rank, world_size):
 def _state_dict_keys_and_held_views(rank, world_size):
     """Odd sizes, so that some parameters lie wholly in one replica's slice (found by the
     call sequences): every rank's state dict has every entry, in the parameters' order, as
-    plain HSDP's; a state dict held across ``load_state_dict`` of its own values stays live."""
+    plain HSDP's; it goes through ``torch.save`` and ``deepcopy``; a state dict held across
+    ``load_state_dict`` of its own values stays live."""
     mesh = _mesh()
     base = build_transformer(seed=5, dim=12, hidden=37, vocab=29)
     (plain, p_opt, _), (model, opt, _) = _pair(base, mesh, OPTIMS["adamw"])
@@ -281,6 +283,19 @@ def _state_dict_keys_and_held_views(rank, world_size):
     dist.all_gather_object(everyone, keys)
     assert all(k == list(p_opt.state_dict()["state"]) for k in everyone), everyone
     held = opt.state_dict()
+    # torch.save and deepcopy of it (a DTensor over a view inside a larger storage fails both)
+    buffer = io.BytesIO()
+    torch.save(held, buffer)
+    buffer.seek(0)
+    saved, copied = torch.load(buffer, weights_only=False), copy.deepcopy(held)
+    for index, values in held["state"].items():
+        for key, value in values.items():
+            for other in (saved, copied):
+                got = other["state"][index][key]
+                assert type(got) is type(value) and torch.equal(
+                    got.to_local() if isinstance(got, DTensor) else got,
+                    value.to_local() if isinstance(value, DTensor) else value,
+                ), (index, key)
     opt.load_state_dict(opt.state_dict())
     p_opt.load_state_dict(p_opt.state_dict())
     _train(plain, p_opt, rank, world_size, 1, first=2)

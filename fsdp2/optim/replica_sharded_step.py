@@ -35,6 +35,7 @@ from ..ragged_placement import RowRuns
 from ..runtime.group import replica_slices
 from ..runtime.group.replica_slices import ReplicaSlices
 from ..runtime.storage.flat_shard import flat_slot_of
+from ..runtime.storage.shard_storage import own_storage
 from .flat_run import FlatRun
 from .step_plan import ctor_args, elementwise_names, is_elementwise
 
@@ -367,7 +368,9 @@ def _slice_views(
     for key in keys:
         value = sliced.state.get(key)
         if torch.is_tensor(value) and value.dim() and hi > lo:
-            local = value[lo - base : hi - base].view(rows, *rest)
+            # through a storage of its own (offset 0): torch.save of a DTensor whose local
+            # tensor starts inside a larger storage fails (see shard_storage.py)
+            local = own_storage(value[lo - base : hi - base]).view(rows, *rest)
         else:  # no rows of p here (or its part never stepped): an empty run
             local = local_tensor(p).new_zeros(rows, *rest)
         out[key] = DTensor.from_local(
