@@ -535,12 +535,14 @@ class Sequence:
 
 
 def _documented_refusal(error: Exception | None) -> bool:
-    """fsdp2's documented refusals with state offloaded: a closure, a compiled ``step()``,
-    parameters added after the state's place was planned."""
+    """fsdp2's documented refusals with state offloaded or sliced across replicas: a
+    closure, a compiled ``step()``, parameters added after the state's place was planned,
+    a sliced run some of whose parameters have no gradient (docs/meshes.md)."""
     text = str(error)
     return (isinstance(error, ValueError) and (
         "step(closure) is not supported" in text or "planned where their state lives" in text
-    )) or (isinstance(error, NotImplementedError) and "call optimizer.step() uncompiled" in text)
+    )) or (isinstance(error, NotImplementedError) and "call optimizer.step() uncompiled" in text) or (
+        isinstance(error, RuntimeError) and "cannot step on its own" in text)
 
 
 def _upstream_bug(error: Exception | None) -> bool:

@@ -80,17 +80,25 @@ class SlicedRun:
                 if not torch.is_tensor(value) or value.dim() == 0:
                     built.setdefault(key, value.detach().clone() if torch.is_tensor(value) else value)
         for key in {k for v in loaded if v for k, x in v.items() if torch.is_tensor(x) and x.dim()}:
+            held = self.state.get(key)
+            if not (torch.is_tensor(held) and held.shape == (self.end - self.begin,)):
+                held = None
             flat = self.param.new_zeros(self.end - self.begin)
+            in_place = held is not None
             for values, p, off, n in zip(loaded, self.run.params, self.run.offsets, self.run.numels):
                 lo, hi = max(off, self.begin), min(off + n, self.end)
-                if values is not None and key in values and hi > lo:
-                    flat[lo - self.begin : hi - self.begin].copy_(
-                        self._loaded_part(values[key], p, key, lo - off, hi - off)
-                    )
-            held = self.state.get(key)  # written in place: the views a caller holds stay live
-            if torch.is_tensor(held) and held.shape == flat.shape and held.dtype == flat.dtype:
-                flat = held.copy_(flat)  # (after the parts were read: they may be its views)
-            built[key] = flat
+                if hi <= lo:
+                    continue
+                if values is None or key not in values:
+                    in_place = False
+                    continue
+                part = self._loaded_part(values[key], p, key, lo - off, hi - off)
+                flat[lo - self.begin : hi - self.begin].copy_(part)
+                in_place = in_place and part.data_ptr() == held[lo - self.begin].data_ptr()
+            # Its own state dict loaded back: the state stays the tensor it was (a state dict
+            # held meanwhile stays live), as torch's load keeps a value that is already its
+            # own; any other values are new tensors, as there
+            built[key] = held if in_place else flat
         self.state = built
         self._publish_scalars(state)
 
@@ -342,6 +350,8 @@ class ReplicaShardedStep:
                     entry: dict[str, Any] = {}
                     for j, key in enumerate(scalar_keys):
                         if not math.isnan(known[i, j]):
+                            # a tensor of its own per parameter: the run's one step count
+                            # shared would be counted once per parameter by a plain step
                             entry[key] = torch.tensor(known[i, j], dtype=_scalar_dtype())
                     if placements is not None:
                         entry.update(_slice_views(slices, r, p, off, n, tensor_keys))
