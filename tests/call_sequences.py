@@ -157,7 +157,7 @@ class Sequence:
                  setting: str | None = None):
         self.rng = random.Random(seed)
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.ragged, self.length = ragged, length
+        self.length = length
         torch.compiler.reset()  # each sequence compiles its own steps (no recompile limit)
         self.name, self.kwargs = _pick_optimizer(self.rng, optimizer)
         if ragged and self.kwargs.get("fused"):
@@ -210,7 +210,8 @@ class Sequence:
                 for p in side.later:
                     p.requires_grad_(False)
             fsdp2.enable_local_shard_step(self.sides[0].opt, shard_across_replicas=True)
-            self.ragged = True  # other layouts: whole values
+        # the sides' DTensors in other layouts: compared as whole values, not local shards
+        self.other_layouts = ragged or self.replica_slices
         # Drawn apart from the calls' stream, so that a seed's calls stay what they were.
         self.comms = random.Random(f"custom comms {seed}").random() < 0.25
         if self.comms:
@@ -507,7 +508,7 @@ class Sequence:
         if isinstance(a, DTensor) != isinstance(b, DTensor):
             return False
         if isinstance(a, DTensor):
-            if self.ragged:
+            if self.other_layouts:
                 if a.shape != b.shape:
                     return False
                 self._whole.append((a, b, problem))

@@ -80,25 +80,29 @@ class SlicedRun:
                 if not torch.is_tensor(value) or value.dim() == 0:
                     built.setdefault(key, value.detach().clone() if torch.is_tensor(value) else value)
         for key in {k for v in loaded if v for k, x in v.items() if torch.is_tensor(x) and x.dim()}:
-            held = self.state.get(key)
-            if not (torch.is_tensor(held) and held.shape == (self.end - self.begin,)):
-                held = None
-            flat = self.param.new_zeros(self.end - self.begin)
-            in_place = held is not None
+            parts = []  # (where in the part, the loaded elements there, or None)
             for values, p, off, n in zip(loaded, self.run.params, self.run.offsets, self.run.numels):
                 lo, hi = max(off, self.begin), min(off + n, self.end)
-                if hi <= lo:
-                    continue
-                if values is None or key not in values:
-                    in_place = False
-                    continue
-                part = self._loaded_part(values[key], p, key, lo - off, hi - off)
-                flat[lo - self.begin : hi - self.begin].copy_(part)
-                in_place = in_place and part.data_ptr() == held[lo - self.begin].data_ptr()
+                if hi > lo:
+                    value = values.get(key) if values is not None else None
+                    part = None if value is None else self._loaded_part(value, p, key, lo - off, hi - off)
+                    parts.append((lo - self.begin, part))
             # Its own state dict loaded back: the state stays the tensor it was (a state dict
             # held meanwhile stays live), as torch's load keeps a value that is already its
             # own; any other values are new tensors, as there
-            built[key] = held if in_place else flat
+            held = self.state.get(key)
+            if (
+                torch.is_tensor(held) and held.shape == (self.end - self.begin,)
+                and all(part is not None and part.data_ptr() == held[at].data_ptr()
+                        for at, part in parts)
+            ):
+                built[key] = held
+                continue
+            flat = self.param.new_zeros(self.end - self.begin)
+            for at, part in parts:
+                if part is not None:
+                    flat[at : at + part.numel()].copy_(part)
+            built[key] = flat
         self.state = built
         self._publish_scalars(state)
 
