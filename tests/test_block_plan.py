@@ -167,8 +167,11 @@ def test_layout_rows_and_the_command(capsys) -> None:
     groups = config_groups(load_hf_config("llama-3-8b"))
     rows = layout_rows(groups, [8])
     assert [r.layout for r in rows] == [
-        "dim-0 chunks", "rows", "128x128 tiles", "128x128 tiles, packed (planner only)", "256 blocks"
+        "dim-0 chunks", "rows", "128x128 tiles, contiguous", "128x128 tiles, packed",
+        "128x128 tiles (fully_shard's plan)", "256 blocks",
     ]
+    by_name = {r.layout: r.padding for r in rows}  # fully_shard's plan: the lesser, or contiguous
+    assert by_name["128x128 tiles (fully_shard's plan)"] <= by_name["128x128 tiles, contiguous"]
     assert rows[0].padding == sum(chunk_padding([s for _, s in g], 8) for g in groups)
     main(["--hf-config", "llama-3-8b", "--layouts", "--world-size", "8,64"])
     out = capsys.readouterr().out

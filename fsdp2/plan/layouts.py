@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from ..runtime.storage.block_packing import pack_blocks
 from ..runtime.storage.block_plan import Granularity, chunk_padding, plan_blocks
-from .tile_packing import pack_tiles
+from ..runtime.storage.ragged_rows import choose_plan
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
@@ -37,16 +38,25 @@ def _blocks(granularity: Granularity) -> Planner:
 
 
 def _packed(group: Shapes, world_size: int) -> int:
-    """128 x 128 tiles packed (see [Note: Packed tiles] in tile_packing.py)."""
-    return pack_tiles([s for _, s in group], world_size).padding
+    """128 x 128 tiles packed (see [Note: Packed blocks] in runtime/storage/block_packing.py)."""
+    shapes, names = [s for _, s in group], [n for n, _ in group]
+    return pack_blocks(shapes, [(128, 128)] * len(group), world_size, names).padding
+
+
+def _chosen(group: Shapes, world_size: int) -> int:
+    """128 x 128 tiles as ``fully_shard`` plans them: contiguous, or packed where that pads
+    much less (``choose_plan``)."""
+    shapes, names = [s for _, s in group], [n for n, _ in group]
+    return choose_plan(shapes, [(128, 128)] * len(group), world_size, names).padding
 
 
 # The layouts the report compares, each with its planner.
 LAYOUTS: tuple[tuple[str, Planner], ...] = (
     ("dim-0 chunks", None),
     ("rows", _blocks("rows")),
-    ("128x128 tiles", _blocks((128, 128))),
-    ("128x128 tiles, packed (planner only)", _packed),
+    ("128x128 tiles, contiguous", _blocks((128, 128))),
+    ("128x128 tiles, packed", _packed),
+    ("128x128 tiles (fully_shard's plan)", _chosen),
     ("256 blocks", _blocks(256)),
 )
 

@@ -144,7 +144,8 @@ def all_gather(
 def copy_out(
     staged: StagedAllGather, fsdp_params: list[FSDPParam], output: torch.Tensor, world_size: int
 ) -> None:
-    """Plain rows into ``output`` (the group's ``W * S`` buffer); hook outputs into their buffers."""
+    """Plain rows into ``output`` (the buffer the unsharded parameters view: see ``unsharded_output``
+    in storage/ragged.py); hook outputs into their buffers."""
     numels, copies = _plain_copies(_plain_layouts(fsdp_params), world_size)
     most = max(numels)
     plain = output.new_empty(world_size * most)

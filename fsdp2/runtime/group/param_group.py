@@ -59,6 +59,7 @@ from ..common.mixed_precision import check_grad_dtypes, check_trainable_dtypes
 from ..common.profiler_ranges import log_hook, record_function
 from ..meshes.mesh import FSDPMeshInfo, PostForwardMeshInfo
 from ..storage.flat_shard import FlatShard, FlatShardLayout
+from ..storage.packed_rows import PackedRows
 from ..storage.param import FSDPParam, ShardedState
 from ..storage.ragged import ParamMajor
 from ..storage.rank_major import RankMajor
@@ -118,7 +119,10 @@ class FSDPParamGroup:
         # See [Note: Buffer orders]: RaggedShard's parameter-major order, else upstream's
         world_size = mesh_info.shard_mesh_size
         ragged = bool(fsdp_params) and fsdp_params[0].ragged
-        self.order = (ParamMajor if ragged else RankMajor)(fsdp_params, world_size)
+        packed = ragged and fsdp_params[0].layout.packed
+        self.order = (PackedRows if packed else ParamMajor if ragged else RankMajor)(
+            fsdp_params, world_size
+        )
         self._flat = FlatShard(fsdp_params, sources, buffer_device, pin_memory, self.order)
         self._init_dtypes()  # sets self.dtypes (GroupDtypes) and self._gather (GatherPlan)
         self.reduction = GradientReduction(
@@ -315,7 +319,7 @@ class FSDPParamGroup:
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
         gather = self._gather
-        if self.order.param_major and (self.layout.mixed or gather.partly_cast):
+        if self.order.ragged and (self.layout.mixed or gather.partly_cast):
             raise FSDPNotImplementedError(
                 f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather "
                 "one dtype (no mixed dtypes or per-parameter casts yet); return None from "
@@ -328,7 +332,7 @@ class FSDPParamGroup:
                 self._unshard_staged(True, on_comm_streams=False)
                 self.step.unshard_event = ctx.record(ctx.copy_in)
             return
-        if self.order.param_major:  # See [Note: Extensions on the parameter-major layout]
+        if self.order.ragged:  # See [Note: Extensions on the parameter-major layout]
             self._unshard_param_major_staged(async_op)
             return
         slots = [self._slot(i) for i in range(len(self.fsdp_params))]
@@ -374,9 +378,9 @@ class FSDPParamGroup:
         ctx = self.comm_ctx
         ctx.wait_event("all_gather->copy_out", ctx.current() if event else None, event)
         world_size = self.mesh_info.shard_mesh_size
-        if self.order.param_major:  # the parameters view the group's output (hooked ones too)
-            output = self.order.all_gather_output(
-                world_size * self.layout.numel, self.dtypes.param or self.layout.dtype, self.device
+        if self.order.ragged:  # the parameters view the group's buffer (hooked ones too)
+            output = self.order.unsharded_output(
+                self.dtypes.param or self.layout.dtype, self.device
             )
             ragged_staged.copy_out(staged, self.fsdp_params, output, world_size)
         else:

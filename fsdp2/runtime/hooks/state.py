@@ -578,7 +578,7 @@ def _register_state_dict_hooks(group: FSDPParamGroup) -> None:
                     *args: Any) -> None:
         group.wait_for_replica_gather()
         group.reshard()
-        if group.order.param_major and not local_metadata.get("assign_to_params_buffers", False):
+        if group.order.ragged and not local_metadata.get("assign_to_params_buffers", False):
             loaded_here.extend(load_rows(module, group.fsdp_params, state_dict, prefix, args[-1]))
 
     def after_load(module: nn.Module, incompatible: Any) -> None:

@@ -1,11 +1,11 @@
-"""Where a group's parameters sit in its collectives' buffers: one interface, two orders.
+"""Where a group's parameters sit in its collectives' buffers: one interface, three orders.
 
 [Note: Buffer orders]
 A group's shard, all-gather output and reduce-scatter input are flat buffers.
 ``BufferOrder`` says where each parameter sits in them and makes the copies
 between them and the parameters; the group (``FSDPParamGroup``,
 ``GradientReduction``, ``FlatShard``) asks its order and never which one it
-is. Two implementations:
+is. Three implementations:
 
 - ``RankMajor`` (rank_major.py; upstream's, the default): each parameter is
   cut into ``torch.chunk``'s rows and padded to equal shards; rank ``r``'s
@@ -17,7 +17,11 @@ is. Two implementations:
   parameters, whole, at the planner's starts, and rank ``r`` holds the range
   ``[r * S, (r + 1) * S)``; the parameters view the all-gather output and the
   gradients are written once at their starts (see [Note: The parameter-major
-  layout] in ragged.py).
+  layout] in ragged.py);
+- ``PackedRows`` (packed_rows.py; ``RaggedShard`` where the packed plan is
+  chosen): each rank's runs of rows at their own offsets in its shard; one
+  copy puts the gathered runs in the parameters, which are whole in a buffer
+  of their own, and one writes the gradients at the runs' places.
 
 Per parameter the same split holds one level down: ``ShardLayout``
 (shard_layout.py) and ``RaggedRows`` (ragged.py) answer alike which rows a
@@ -40,6 +44,8 @@ class BufferOrder(ABC):
 
     #: the all-gather output is the unsharded parameters (no copy-out)
     param_major: bool
+    #: the parameters' placement is ``RaggedShard`` (runs of rows, not ``torch.chunk``'s)
+    ragged: bool
 
     def __init__(self, fsdp_params: list[FSDPParam], world_size: int) -> None:
         self.fsdp_params = fsdp_params

@@ -64,6 +64,7 @@ class ParamMajor(BufferOrder):
     """The parameters whole at the plan's starts; rank ``r`` holds ``[r * S, (r + 1) * S)``."""
 
     param_major = True
+    ragged = True
 
     def __init__(self, fsdp_params: list[FSDPParam], world_size: int) -> None:
         super().__init__(fsdp_params, world_size)
@@ -100,6 +101,14 @@ class ParamMajor(BufferOrder):
         unshard (the block before a prefetched one), never for the block it
         overlaps (``FSDPParamGroup.unshard``).
         """
+        return self._kept(numel, dtype, device)
+
+    def unsharded_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer the unsharded parameters view (here: the all-gather output)."""
+        return self._kept(self.world_size * self.layouts[0].shard_numel, dtype, device)
+
+    def _kept(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The group's one kept buffer of ``numel``, each parameter viewing it at its start."""
         out = self._gathered
         if out is None or out.dtype != dtype or out.device != device or out.numel() != numel:
             out = self._gathered = torch.empty(numel, dtype=dtype, device=device)

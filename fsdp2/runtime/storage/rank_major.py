@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class RankMajor(BufferOrder):
     param_major = False
+    ragged = False
 
     def slot_places(self, sizes: list[int], order: list[int]) -> tuple[list[int], list[int], int]:
         starts, stops = [0] * len(sizes), [0] * len(sizes)

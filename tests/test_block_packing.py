@@ -1,7 +1,7 @@
-"""Packed tiles (planner only): every 128-row band whole on one rank, each rank one run of rows
-of a matrix, at little padding where the contiguous layout pads most.
+"""The packed plan: every block (a 128-row tile band) whole on one rank, each rank one run of rows
+of a parameter, at little padding where the contiguous layout pads most.
 
-See [Note: Packed tiles] in fsdp2/plan/tile_packing.py. Pure arithmetic: the
+See [Note: Packed blocks] in fsdp2/runtime/storage/block_packing.py. Pure arithmetic: the
 plan's invariants on random groups, then DeepSeek-V3's and Qwen3-MoE's
 padding at W = 1024 against the parameter-major layout's.
 """
@@ -14,24 +14,33 @@ import random
 import pytest
 
 from fsdp2.plan.layouts import config_groups
-from fsdp2.plan.tile_packing import pack_tiles
 from fsdp2.plan.workload import load_hf_config
+from fsdp2.runtime.storage.block_packing import pack_blocks
 from fsdp2.runtime.storage.block_plan import plan_blocks
 
 pytestmark = pytest.mark.torch_independent  # the same on every torch: CI runs it once
 
 
+def pack_tiles(shapes, world: int, tile: int = 128):
+    return pack_blocks(shapes, [(tile, tile)] * len(shapes), world)
+
+
 def _check(shapes, plan, tile: int) -> None:
-    """Whole bands, one run per rank and matrix in row order, every row once, shares kept."""
+    """Whole bands, one run per rank and matrix in row order, every row once, shares kept, the
+    runs side by side in a rank's share without overlap."""
     world = plan.world_size
     assert len(plan.runs) == world
     row_numel = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
     rows = [s[0] if len(s) > 1 else math.prod(s) for s in shapes]
     seen: dict[int, list[tuple[int, int, int]]] = {}
     for rank, runs in enumerate(plan.runs):
-        assert sum((b - a) * row_numel[i] for i, a, b in runs) <= plan.shard_numel, rank
-        assert len({i for i, _, _ in runs}) == len(runs), f"rank {rank}: two runs of a parameter"
-        for i, a, b in runs:
+        assert sum((b - a) * row_numel[i] for i, a, b, _ in runs) <= plan.shard_numel, rank
+        assert len({i for i, _, _, _ in runs}) == len(runs), f"rank {rank}: two runs of a parameter"
+        ends = 0
+        for i, a, b, offset in runs:  # in dealing order: each run right after the previous
+            assert offset == ends, (rank, runs)
+            ends += (b - a) * row_numel[i]
+        for i, a, b, _ in runs:
             assert 0 <= a < b <= rows[i], (i, a, b)
             if len(shapes[i]) == 2:  # cut between bands only: whole tiles on every rank
                 assert a % tile == 0 and (b % tile == 0 or b == rows[i]), (shapes[i], a, b)
@@ -90,9 +99,11 @@ def test_tiles_pad_little_at_1024_ranks(config: str, most: float) -> None:
 def test_empty_parameters_hold_nothing() -> None:
     plan = pack_tiles([(0, 4), (3, 0), (0,), (5, 4)], 2, tile=2)
     assert plan.numel == 20 and plan.shard_numel == 12  # (5, 4): bands of 8, 8 and 4
-    assert [[i for i, _, _ in runs] for runs in plan.runs] == [[3], [3]]
+    assert [[i for i, _, _, _ in runs] for runs in plan.runs] == [[3], [3]]
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="world_size and tile must be >= 1"):
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
         pack_tiles([(4, 4)], 0)
+    with pytest.raises(ValueError, match="w: tile"):
+        pack_blocks([(4, 4)], [(0, 4)], 2, ["w"])

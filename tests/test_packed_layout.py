@@ -1,0 +1,169 @@
+"""The packed plan in ``fully_shard``: whole blocks at any W, the same training as the other layouts.
+
+Where the contiguous parameter-major plan would pad much (a tile band larger
+than a rank's share), ``RaggedShard`` groups deal their bands to the ranks
+instead ([Note: Packed blocks] in fsdp2/runtime/storage/block_packing.py) and
+copy the gathered runs into the parameters ([Note: The packed order] in
+fsdp2/runtime/storage/packed_rows.py). The small test models would seldom
+pack by themselves, so most cases here force the packed plan on every group
+and rerun the parameter-major layout's own cases (tests/test_ragged_layout.py)
+and the fp8 tile all-gather's (tests/test_fp8_tiles.py) on it: training as the
+reference, bit for bit the dim-0 layout at W = 2, DCP across layouts, state
+dicts, offload, HSDP, resharding to a smaller group, accumulation, Muon, and
+the gathered fp8 weight equal to quantize-after-gather's. One case shows the
+choice made by itself, with its padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import test_fp8_tiles
+import test_ragged_layout
+import torch
+import torch.nn as nn
+from _impl import fsdp2_only
+from checks import assert_losses_match, check_case, train_steps
+from models import assert_params_match, cpu_mesh, full
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from fsdp2 import RaggedShard, fully_shard
+from fsdp2.runtime.storage import ragged_rows
+from fsdp2.runtime.storage.block_packing import pack_blocks
+from fsdp2.runtime.storage.block_plan import plan_blocks
+from fsdp2.runtime.storage.packed_rows import PackedRows
+
+pytestmark = fsdp2_only  # fsdp2's own layout
+
+
+@contextlib.contextmanager
+def _packed_everywhere():
+    """Every ``RaggedShard`` group made in the block takes the packed plan; yields the count."""
+    made = []
+    choose = ragged_rows.choose_plan
+
+    def packed(shapes, granularities, world_size, names=None):
+        made.append(len(shapes))
+        return pack_blocks([tuple(s) for s in shapes], granularities, world_size, names)
+
+    ragged_rows.choose_plan = packed
+    try:
+        yield made
+    finally:
+        ragged_rows.choose_plan = choose
+
+
+def _orders(model: nn.Module) -> set[type]:
+    return {type(g.order) for m in model.modules() if isinstance(m, fsdp2.FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups}
+
+
+def _forced(case):
+    def run(rank, world_size):
+        with _packed_everywhere() as made:
+            case(rank, world_size)
+        assert made, "no group was planned"
+
+    return run
+
+
+RAGGED = ("parity", "mixed_precision", "accumulation_and_resharding", "meta_init_and_checkpointing",
+          "offload_and_hsdp", "state_dict", "dcp", "muon", "dtensor_step")
+FP8 = {"fp8_" + name: case for name, case in test_fp8_tiles.PARAM_MAJOR.items()}
+
+
+def _is_packed(rank, world_size):
+    """The forced plan is built: the groups order their buffers as packed runs, the unsharded
+    parameters view one buffer of their own, and the gathered runs land in it by one cat."""
+    with _packed_everywhere():
+        model = test_ragged_layout.build_transformer(seed=24)
+        test_ragged_layout.shard_transformer(model, fully_shard, mesh=cpu_mesh(),
+                                             shard_placement_fn=lambda p: RaggedShard((2, 2)))
+    assert _orders(model) == {PackedRows}
+    block = model.layers[0]
+    block.unshard()
+    params = list(block.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    for p in params:
+        assert p.is_contiguous()
+    block.reshard()
+    with test_ragged_layout._Ops() as ops:
+        block.unshard()
+        block.reshard()
+    names = {n.split(".")[0] for n in ops.names}
+    if world_size > 1:
+        assert "cat" in names and "split_with_sizes_copy" not in names, names
+
+
+def _chooses_by_itself(rank, world_size):
+    """Matrices whose 16-row bands are larger than a rank's share of the contiguous plan: the
+    contiguous plan would pad more than 3% of the group, so fully_shard packs, with every
+    band whole on one rank, and trains as the reference."""
+    torch.manual_seed(7)
+    ref = nn.Sequential(nn.Linear(16, 48, bias=False), nn.Tanh(), nn.Linear(48, 40, bias=False),
+                        nn.Tanh(), nn.Linear(40, 16))
+    model = test_ragged_layout.copy.deepcopy(ref)
+    tiles = lambda p: RaggedShard((16, 16)) if p.dim() == 2 else RaggedShard()  # noqa: E731
+    fully_shard(model, mesh=cpu_mesh(), shard_placement_fn=tiles)
+    shapes = [tuple(p.shape) for p in ref.parameters()]
+    granularities = [(16, 16) if len(s) == 2 else "rows" for s in shapes]
+    contiguous = plan_blocks(shapes, granularities, world_size)
+    packed = pack_blocks(shapes, granularities, world_size)
+    numel = sum(p.numel() for p in ref.parameters())
+    # W = 2, 3, 4: the contiguous plan pads 38-84% of the group, the packed 3-7%
+    assert contiguous.padding > 0.35 * numel and packed.padding < 0.08 * numel
+    assert _orders(model) == {PackedRows}
+    for p in model.parameters():
+        if p.dim() == 2:
+            bounds = p.placements[0].row_bounds
+            assert all(b % 16 == 0 or b == p.shape[0] for b in bounds), bounds
+    batches = [(torch.randn(2 * world_size, 16), torch.randn(2 * world_size, 16))
+               for _ in range(3)]
+
+    def loss(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    ref_losses, losses = train_steps(ref, model, batches, loss, rank, world_size)
+    assert_losses_match(ref_losses, losses)
+    assert_params_match(ref, model)
+
+
+def _replica_slices(rank, world_size):
+    """HSDP 2 x 2 with the optimizer state sliced across replicas, on packed groups: the
+    steps of plain HSDP on the same layout, bit for bit."""
+    results = []
+    for across in (False, True):
+        with _packed_everywhere():
+            ref, model = test_ragged_layout.make_pair(
+                lambda: test_ragged_layout.build_transformer(seed=34))
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            test_ragged_layout.shard_transformer(model, fully_shard, mesh=mesh,
+                                                 shard_placement_fn=lambda p: RaggedShard())
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if across:
+            fsdp2.enable_local_shard_step(optim, shard_across_replicas=True)
+        batches = [test_ragged_layout.transformer_batch(s, 2 * world_size) for s in range(3)]
+        test_ragged_layout.train_alone(model, batches, test_ragged_layout.transformer_loss,
+                                       rank, world_size, optim)
+        results.append([full(p.detach()) for p in model.parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+CASES = {name: _forced(test_ragged_layout.CASES[name]) for name in RAGGED}
+CASES.update({name: _forced(case) for name, case in FP8.items()})
+CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself})
+W4 = {"replica_slices": _replica_slices}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_layout(case, world_size, launch_cases):
+    check_case(launch_cases(world_size, CASES), case)
+
+
+@pytest.mark.parametrize("case", list(W4))
+def test_packed_layout_hsdp_replica_slices(case, launch_cases):
+    check_case(launch_cases(4, W4), case)
