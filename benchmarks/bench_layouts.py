@@ -1,4 +1,5 @@
-"""The two shard layouts side by side: upstream, fsdp2 dim-0 chunks, fsdp2 parameter-major.
+"""The shard layouts side by side: upstream, fsdp2 dim-0 chunks, fsdp2 parameter-major (its
+contiguous plan and its packed plan).
 
     python benchmarks/bench_layouts.py [--quick]
 
@@ -12,12 +13,16 @@ and the median step time over interleaved steps (the slowest rank's); then
 the peak of live bytes at the first step and around a DCP save and load of
 the model and optimizer state dicts (a second table). The
 parameter-major layout is ``shard_placement_fn=lambda p: RaggedShard()``
-on every call (docs/layouts.md).
+on every call (docs/layouts.md); "fsdp2 packed" is the same with the packed
+plan forced on every group (``fully_shard`` takes it by itself only where the
+contiguous plan pads much: tiles larger than a rank's share), to show what
+its copies cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 
@@ -34,7 +39,7 @@ SHAPES = {
     "full": {"vocab_size": 4096, "dim": 512, "n_layers": 8, "n_heads": 8, "ffn_hidden_dim": 1408},
     "quick": {"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 4, "ffn_hidden_dim": 704},
 }
-LAYOUTS = ("torch", "fsdp2 dim-0", "fsdp2 ragged")
+LAYOUTS = ("torch", "fsdp2 dim-0", "fsdp2 ragged", "fsdp2 packed")
 # the dim-0 layout's two reordering copies, by the op that writes them
 COPY_OUT = ("split_with_sizes_copy",)  # all-gather output -> each parameter
 REORDER = ("_chunk_cat", "chunk_cat")  # gradients -> rank-major reduce-scatter input
@@ -49,13 +54,29 @@ def _build(layout: str, shape: dict, mp: bool):
     kwargs = {"mesh": cpu_mesh()}
     if mp:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if layout == "fsdp2 ragged":
+    if layout in ("fsdp2 ragged", "fsdp2 packed"):
         kwargs["shard_placement_fn"] = lambda p: RaggedShard()
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    with _packed_plan() if layout == "fsdp2 packed" else contextlib.nullcontext():
+        for layer in model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     return model, optim
+
+
+@contextlib.contextmanager
+def _packed_plan():
+    """Every ``RaggedShard`` group planned in the block takes the packed plan."""
+    from fsdp2.runtime.storage import ragged_rows
+    from fsdp2.runtime.storage.block_packing import pack_blocks
+
+    choose = ragged_rows.choose_plan
+    ragged_rows.choose_plan = lambda shapes, granularities, world_size, names=None: pack_blocks(
+        [tuple(s) for s in shapes], granularities, world_size, names)
+    try:
+        yield
+    finally:
+        ragged_rows.choose_plan = choose
 
 
 def _step(model, optim, i: int, rank: int, shape: dict, cfg: dict) -> None:

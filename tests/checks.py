@@ -549,3 +549,25 @@ class TorchReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                           async_op=async_op)
+
+
+@contextlib.contextmanager
+def packed_everywhere():
+    """Every ``RaggedShard`` group planned in the block takes the packed plan (see [Note:
+    Packed blocks] in fsdp2/runtime/storage/block_packing.py), which the small test models
+    seldom need by themselves; yields the sizes of the groups planned so."""
+    from fsdp2.runtime.storage import ragged_rows
+    from fsdp2.runtime.storage.block_packing import pack_blocks
+
+    made: list[int] = []
+    choose = ragged_rows.choose_plan
+
+    def packed(shapes, granularities, world_size, names=None):
+        made.append(len(shapes))
+        return pack_blocks([tuple(s) for s in shapes], granularities, world_size, names)
+
+    ragged_rows.choose_plan = packed
+    try:
+        yield made
+    finally:
+        ragged_rows.choose_plan = choose

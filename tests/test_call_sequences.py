@@ -11,11 +11,12 @@ turns that into the search from seed 0).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 from _impl import IMPL
-from checks import check_case
+from checks import check_case, packed_everywhere
 
 pytestmark = pytest.mark.skipif(IMPL == "torch", reason="compares fsdp2 with upstream itself")
 
@@ -27,13 +28,15 @@ def _seeds(ci: int) -> range:
     return range(_FIRST, _FIRST + (_EXTRA or ci))
 
 
-def _sequences(ci_seeds: int, **options):
+def _sequences(ci_seeds: int, packed: bool = False, **options):
+    """``packed``: fsdp2's parameter-major groups take the packed plan (``packed_everywhere``)."""
     def case(rank: int, world_size: int) -> None:
         from call_sequences import run_sequence
 
         found = []
         for seed in _seeds(ci_seeds):
-            report = run_sequence(seed, rank, world_size, **options)
+            with packed_everywhere() if packed else contextlib.nullcontext():
+                report = run_sequence(seed, rank, world_size, **options)
             if report is not None:
                 found.append(report)
                 if not _EXTRA:
@@ -44,7 +47,7 @@ def _sequences(ci_seeds: int, **options):
 
 
 # (world size, cases): dim-0 groups at W=2 and 3 (uneven and empty shards), parameter-major
-# groups at W=2 (bitwise to upstream there), the state offloaded to the host and NVMe tiers,
+# groups at W=2 (bitwise to upstream there; also on the packed plan), the state offloaded to the host and NVMe tiers,
 # bf16 mixed precision, gradient accumulation (sync and is_last_backward set before each
 # backward), HSDP (2 x 2) at W=4, and parameter-major groups under tensor
 # parallelism (dp 2 x tp 2) against upstream's dim-0 ones.
@@ -52,6 +55,7 @@ CASES = {
     2: {
         "dim0": _sequences(4),
         "ragged": _sequences(2, ragged=True),
+        "packed": _sequences(1, ragged=True, packed=True),
         "host-tier": _sequences(1, tier="host"),
         "nvme-tier": _sequences(1, tier="nvme"),
         "mixed-precision": _sequences(1, setting="mixed_precision"),

@@ -16,43 +16,23 @@ choice made by itself, with its padding.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import test_fp8_tiles
 import test_ragged_layout
 import torch
 import torch.nn as nn
 from _impl import fsdp2_only
-from checks import assert_losses_match, check_case, train_steps
+from checks import assert_losses_match, check_case, packed_everywhere, train_steps
 from models import assert_params_match, cpu_mesh, full
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import RaggedShard, fully_shard
-from fsdp2.runtime.storage import ragged_rows
 from fsdp2.runtime.storage.block_packing import pack_blocks
 from fsdp2.runtime.storage.block_plan import plan_blocks
 from fsdp2.runtime.storage.packed_rows import PackedRows
 
 pytestmark = fsdp2_only  # fsdp2's own layout
-
-
-@contextlib.contextmanager
-def _packed_everywhere():
-    """Every ``RaggedShard`` group made in the block takes the packed plan; yields the count."""
-    made = []
-    choose = ragged_rows.choose_plan
-
-    def packed(shapes, granularities, world_size, names=None):
-        made.append(len(shapes))
-        return pack_blocks([tuple(s) for s in shapes], granularities, world_size, names)
-
-    ragged_rows.choose_plan = packed
-    try:
-        yield made
-    finally:
-        ragged_rows.choose_plan = choose
 
 
 def _orders(model: nn.Module) -> set[type]:
@@ -62,7 +42,7 @@ def _orders(model: nn.Module) -> set[type]:
 
 def _forced(case):
     def run(rank, world_size):
-        with _packed_everywhere() as made:
+        with packed_everywhere() as made:
             case(rank, world_size)
         assert made, "no group was planned"
 
@@ -77,7 +57,7 @@ FP8 = {"fp8_" + name: case for name, case in test_fp8_tiles.PARAM_MAJOR.items()}
 def _is_packed(rank, world_size):
     """The forced plan is built: the groups order their buffers as packed runs, the unsharded
     parameters view one buffer of their own, and the gathered runs land in it by one cat."""
-    with _packed_everywhere():
+    with packed_everywhere():
         model = test_ragged_layout.build_transformer(seed=24)
         test_ragged_layout.shard_transformer(model, fully_shard, mesh=cpu_mesh(),
                                              shard_placement_fn=lambda p: RaggedShard((2, 2)))
@@ -135,7 +115,7 @@ def _replica_slices(rank, world_size):
     steps of plain HSDP on the same layout, bit for bit."""
     results = []
     for across in (False, True):
-        with _packed_everywhere():
+        with packed_everywhere():
             ref, model = test_ragged_layout.make_pair(
                 lambda: test_ragged_layout.build_transformer(seed=34))
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

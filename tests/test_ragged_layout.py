@@ -16,6 +16,7 @@ refused naming the parameter.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
@@ -29,6 +30,7 @@ from checks import (
     assert_losses_match,
     check_case,
     on_collectives,
+    packed_everywhere,
     train_alone,
     train_steps,
 )
@@ -404,10 +406,17 @@ def _snapshot(model, optim) -> tuple[dict, dict]:
     return params, states
 
 
+def _shard_as(model, layout: str, granularity) -> None:
+    """``layout``: dim-0, ragged (fsdp2's plan), packed (the packed plan forced), upstream."""
+    fn = None if layout in ("dim0", "upstream") else _ragged(granularity)
+    shard = upstream_fully_shard if layout == "upstream" else fully_shard
+    with packed_everywhere() if layout == "packed" else contextlib.nullcontext():
+        shard_transformer(model, shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+
+
 def _train_and_save(rank, world_size, path, layout):
     model = build_transformer(seed=30)
-    fn = _ragged(16) if layout == "ragged" else None
-    shard_transformer(model, fully_shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+    _shard_as(model, layout, 16)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_alone(model, [transformer_batch(s, 12) for s in range(2)], transformer_loss, rank,
                 world_size, optim)
@@ -418,9 +427,7 @@ def _train_and_save(rank, world_size, path, layout):
 
 def _load(rank, world_size, path, layout):
     model = build_transformer(seed=31)
-    fn = _ragged((2, 2)) if layout == "ragged" else None
-    shard = upstream_fully_shard if layout == "upstream" else fully_shard
-    shard_transformer(model, shard, mesh=cpu_mesh(), shard_placement_fn=fn)
+    _shard_as(model, layout, (2, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_alone(model, [transformer_batch(7, 12)], transformer_loss, rank, world_size, optim)
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
@@ -433,9 +440,10 @@ def _load(rank, world_size, path, layout):
 @pytest.mark.parametrize(
     ("saved", "loaded"),
     [((2, "ragged"), (4, "ragged")), ((2, "ragged"), (3, "dim0")), ((4, "dim0"), (3, "ragged")),
-     ((3, "ragged"), (1, "dim0")), ((4, "ragged"), (2, "upstream"))],
+     ((3, "ragged"), (1, "dim0")), ((4, "ragged"), (2, "upstream")), ((3, "packed"), (4, "ragged")),
+     ((2, "dim0"), (3, "packed"))],
     ids=["ragged2-ragged4", "ragged2-dim0_3", "dim0_4-ragged3", "ragged3-one_process",
-         "ragged4-upstream2"],
+         "ragged4-upstream2", "packed3-ragged4", "dim0_2-packed3"],
 )
 def test_dcp_across_world_sizes(saved, loaded, tmp_path):
     """DCP saved at one world size and layout loads at another, parameters and AdamW state to the bit."""

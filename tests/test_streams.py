@@ -7,6 +7,7 @@ fsdp2/runtime/comm/comm_context.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from checks import (
     TorchAllGather,
     bind_row_hooks,
     check_case,
+    packed_everywhere,
     train_alone,
     train_steps,
 )
@@ -194,9 +196,10 @@ CAUGHT = [e for e in comm_context.EDGES
                        "compute->kept_output")]
 
 
-def _case(**kwargs):
+def _case(packed: bool = False, **kwargs):
     def case(rank, world_size):
-        errors = _checked_run(rank, world_size, **kwargs)
+        with packed_everywhere() if packed else contextlib.nullcontext():
+            errors = _checked_run(rank, world_size, **kwargs)
         assert errors == [], "\n".join(errors[:5])
     return case
 
@@ -219,6 +222,17 @@ def _replica_slices(rank, world_size):
     planted = _checked_run(rank, world_size, "replica_gather->copy_in", mesh=mesh,
                            replica_slices=True)
     assert planted and SIGNATURE["replica_gather->copy_in"] in planted[0], planted[:2]
+
+
+def _packed(rank, world_size):
+    """The packed plan's copies: no race with every wait in place; the copy-out's and the
+    reduce-scatter input's waits, each left out, are races the checker reports."""
+    kwargs = {"shard_placement_fn": lambda p: RaggedShard(), "prefetch": True}
+    with packed_everywhere():
+        errors = _checked_run(rank, world_size, **kwargs)
+        assert errors == [], "\n".join(errors[:5])
+        for edge in ("all_gather->copy_out", "compute->reduce_scatter"):
+            assert _checked_run(rank, world_size, edge, **kwargs), f"skipping '{edge}' went unnoticed"
 
 
 MATRIX = {
@@ -248,6 +262,10 @@ MATRIX = {
                                prefetch=True),
     "ragged_custom_all_gather": _case(shard_placement_fn=lambda p: RaggedShard(),
                                       custom_all_gather=True),
+    # the packed plan (RaggedShard where bands outgrow a rank's share): a copy-out again
+    "packed": _packed,
+    "packed_extensions": _case(packed=True, shard_placement_fn=lambda p: RaggedShard(),
+                               row_hooks=True),
 }
 
 
