@@ -22,8 +22,9 @@ issuing stream waits for it on return (synchronous) or at ``Work.wait()``.
 An access to memory last written (or, for a write, read) on another stream
 without a happens-before edge is an error naming both ops and streams. A
 storage freed (dropped, or ``resize_(0)``) is returned to the pool of the
-stream that allocated it, as the caching allocator does; the next allocation
-on that stream must be ordered after every other stream's use of it.
+stream that allocated it (for a storage grown by ``resize_``, the stream current
+at the resize), as the caching allocator does; the next allocation on that
+stream must be ordered after every other stream's use of it.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class StreamChecker(TorchDispatchMode):
         self._seen: dict[int, tuple[int, int, _Region, bool]] = {}  # storage -> ptr, nbytes, region, owns
         self._watched: set[int] = set()
         self._pending_free: dict[int, list[tuple[str, _Region]]] = {}
+        self._grown_on: dict[int, SimStream] = {}  # storage -> the stream resize_ grew it on
         self._pg_streams: dict[int, SimStream] = {}
         self._paused = 0
         self._exit: contextlib.ExitStack | None = None
@@ -231,8 +233,10 @@ class StreamChecker(TorchDispatchMode):
         if len(overlapping) == 1 and overlapping[0].start <= ptr and end <= overlapping[0].end:
             region = overlapping[0]
         else:  # a new allocation, or a range joining others: one region over all of them
+            # a storage grown by resize_ was allocated where it grew, not where first used
+            alloc = self._grown_on.pop(key, stream) if owns else stream
             region = _Region(min([ptr] + [r.start for r in overlapping]),
-                             max([end] + [r.end for r in overlapping]), stream)
+                             max([end] + [r.end for r in overlapping]), alloc)
             for old in overlapping:
                 self._drop(old)
                 region.owners += old.owners
@@ -404,8 +408,9 @@ class StreamChecker(TorchDispatchMode):
             if not checker._paused:
                 if nbytes == 0:
                     checker._freed(storage._cdata, "resize_(0)")
-                else:
+                else:  # the caching allocator grows it on the current stream
                     checker._allocated(checker.current)
+                    checker._grown_on[storage._cdata] = checker.current
             return original_resize(storage, nbytes)
 
         torch.UntypedStorage.resize_ = resize_

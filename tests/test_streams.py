@@ -554,3 +554,34 @@ def test_checker_tracks_memory_not_storage_objects():
             assert "'mul_' on stream 0 (compute) writes memory that 'add_' wrote on stream" in (
                 checker.errors[0]
             )
+
+
+def test_checker_puts_a_grown_storage_in_the_pool_it_grew_on():
+    """A storage grown by ``resize_`` on one stream and first written on another (a kept
+    all-gather output) goes back to the first stream's pool when freed, as the caching
+    allocator returns it: a new allocation on the other stream does not reuse it, one on
+    the stream it grew on does, and must be ordered after the other stream's use."""
+    for alloc_on in ("compute", "side"):
+        kept = torch.empty(16)
+        kept.untyped_storage().resize_(0)
+        checker = StreamChecker()
+        with checker:
+            side = checker.new_stream("side")
+            grow_on = checker.current if alloc_on == "compute" else side
+            with checker.use(grow_on):
+                kept.untyped_storage().resize_(16 * kept.element_size())
+            side.wait_stream(checker.current)
+            with checker.use(side):
+                kept.fill_(1)  # first written on the side stream
+            checker.current.wait_stream(side)
+            kept.mul_(2)  # used on compute
+            kept.untyped_storage().resize_(0)
+            with checker.use(side):
+                torch.empty(16).fill_(0)  # a new allocation on the side stream
+        if alloc_on == "compute":  # it went back to compute's pool: nothing to reuse
+            assert checker.errors == [], checker.errors
+        else:
+            assert len(checker.errors) == 1, checker.errors
+            assert "is reused by stream 1 (side) while 'mul_' on stream 0 (compute)" in (
+                checker.errors[0]
+            )
