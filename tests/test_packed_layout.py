@@ -51,6 +51,7 @@ def _forced(case):
 
 RAGGED = ("parity", "mixed_precision", "accumulation_and_resharding", "meta_init_and_checkpointing",
           "offload_and_hsdp", "state_dict", "dcp", "muon", "dtensor_step")
+# at W = 4 only what needs four ranks (HSDP 2 x 2; the rest runs at 2 and 3, uneven at 3)
 FP8 = {"fp8_" + name: case for name, case in test_fp8_tiles.PARAM_MAJOR.items()}
 
 
@@ -135,15 +136,16 @@ def _replica_slices(rank, world_size):
 CASES = {name: _forced(test_ragged_layout.CASES[name]) for name in RAGGED}
 CASES.update({name: _forced(case) for name, case in FP8.items()})
 CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself})
-W4 = {"replica_slices": _replica_slices}
+W4 = {"replica_slices": _replica_slices,
+      "offload_and_hsdp": _forced(test_ragged_layout.CASES["offload_and_hsdp"])}
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_layout(case, world_size, launch_cases):
     check_case(launch_cases(world_size, CASES), case)
 
 
 @pytest.mark.parametrize("case", list(W4))
-def test_packed_layout_hsdp_replica_slices(case, launch_cases):
+def test_packed_layout_at_four_ranks(case, launch_cases):
     check_case(launch_cases(4, W4), case)
