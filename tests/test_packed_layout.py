@@ -7,11 +7,13 @@ copy the gathered runs into the parameters ([Note: The packed order] in
 fsdp2/runtime/storage/packed_rows.py). The small test models would seldom
 pack by themselves, so most cases here force the packed plan on every group
 and rerun the parameter-major layout's own cases (tests/test_ragged_layout.py)
-and the fp8 tile all-gather's (tests/test_fp8_tiles.py) on it: training as the
-reference, bit for bit the dim-0 layout at W = 2, DCP across layouts, state
-dicts, offload, HSDP, resharding to a smaller group, accumulation, Muon, and
-the gathered fp8 weight equal to quantize-after-gather's. One case shows the
-choice made by itself, with its padding.
+and the fp8 tile all-gather's (tests/test_fp8_tiles.py) on it at W = 2 and 3
+(HSDP 2 x 2 at W = 4): training as the reference, bit for bit the dim-0
+layout at W = 2, DCP across layouts, state dicts, offload, HSDP (with the
+optimizer state sliced across replicas too), resharding to a smaller group,
+accumulation, Muon, and the gathered fp8 weight equal to
+quantize-after-gather's. One case shows the choice made by itself, with its
+padding.
 """
 
 from __future__ import annotations
