@@ -19,6 +19,7 @@ padding.
 from __future__ import annotations
 
 import pytest
+import test_extensions
 import test_fp8_tiles
 import test_ragged_layout
 import torch
@@ -137,7 +138,8 @@ def _replica_slices(rank, world_size):
 
 CASES = {name: _forced(test_ragged_layout.CASES[name]) for name in RAGGED}
 CASES.update({name: _forced(case) for name, case in FP8.items()})
-CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself})
+CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself,
+              "subclass_hooks": _forced(test_extensions._ragged_body)})
 W4 = {"replica_slices": _replica_slices,
       "offload_and_hsdp": _forced(test_ragged_layout.CASES["offload_and_hsdp"])}
 
