@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),  # policies and plain values
     ("ragged_placement",),  # the parameter-major layout's placement, below the values using it
     ("errors", "versions", "_torch_compat", "agree", "claim_file", "file_tensors"),  # leaves
+    ("identity_cache",),  # below the leaves: _torch_compat keeps a cache by identity
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..identity_cache import IdentityCache
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
@@ -76,8 +77,9 @@ def dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local, template._spec, requires_grad=False)
 
 
-# a parameter spec -> the spec its optimizer state carries (one per value, as torch's step makes)
-_STATE_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# a parameter spec -> the spec its optimizer state carries (one per value, as torch's step
+# makes); by identity: see [Note: Caches keyed by identity] in identity_cache.py
+_STATE_SPECS: IdentityCache = IdentityCache()
 
 
 def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
@@ -103,7 +105,7 @@ def dtensor_state_like(template: DTensor, local: torch.Tensor) -> DTensor:
                             requires_grad=False)
             state_spec = torch.zeros_like(probe, memory_format=torch.preserve_format)._spec
             hash(state_spec)  # cached in the spec (``_hash``), as the step's next op leaves it
-        _STATE_SPECS[spec] = state_spec
+        _STATE_SPECS.set(spec, state_spec)
     return DTensor(local, state_spec, requires_grad=False)
 
 

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..._torch_compat import concatenate_meshes
 from ...errors import FSDPAssertionError
+from ...identity_cache import IdentityCache
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,9 @@ def spmd_mesh_for(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         ) from e
 
 
-# mesh -> {dim order: the same ranks' mesh with its dims in that order}
-_REORDERED: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[int, ...], DeviceMesh]] = (
-    weakref.WeakKeyDictionary()
-)
+# mesh -> {dim order: the same ranks' mesh with its dims in that order}; by identity: an
+# equal mesh over other process groups is another mesh (see [Note: Caches keyed by identity])
+_REORDERED: IdentityCache[dict[tuple[int, ...], DeviceMesh]] = IdentityCache()
 
 
 def reordered_mesh(mesh: DeviceMesh, order: tuple[int, ...]) -> DeviceMesh:
@@ -190,7 +190,9 @@ def reordered_mesh(mesh: DeviceMesh, order: tuple[int, ...]) -> DeviceMesh:
     first (see [Note: Model-parallel parameters on the parameter-major layout]
     in ragged.py).
     """
-    meshes = _REORDERED.setdefault(mesh, {})
+    meshes = _REORDERED.get(mesh)
+    if meshes is None:
+        meshes = _REORDERED.set(mesh, {})
     if order not in meshes:
         names = mesh.mesh_dim_names
         meshes[order] = DeviceMesh.from_group(
