@@ -32,7 +32,7 @@ class RaggedRows:
     start: int  # where the whole parameter sits in the group's unsharded buffer
     shard_offset: int  # where this rank's rows sit in its S-element shard
     shard_numel: int  # S
-    rank_offsets: tuple[int, ...] = ()  # where each rank's rows sit in its shard
+    rank_offsets: tuple[int, ...] = ()  # packed: where each rank's rows sit in its shard
     packed: bool = False  # the packed plan: the unsharded buffer is not the gathered one
     dim: int = 0
 
@@ -147,9 +147,6 @@ def plan_rows(
         for r in range(world_size + 1):  # the row each rank boundary falls on (a cut: whole rows)
             inside = min(max(r * share - start, 0), numel)
             bounds.append(inside // row if row else 0)
-        offsets = tuple(min(max(start - r * share, 0), share) for r in range(world_size))
-        rows.append(RaggedRows(
-            torch.Size(shape), world_size, rank, tuple(bounds), start, offsets[rank], share,
-            offsets,
-        ))
+        offset = min(max(start - rank * share, 0), share)
+        rows.append(RaggedRows(torch.Size(shape), world_size, rank, tuple(bounds), start, offset, share))
     return rows
