@@ -136,9 +136,40 @@ def _replica_slices(rank, world_size):
         assert torch.equal(got, want)
 
 
+def _state_order_after_a_raising_step(rank, world_size):
+    """A step that raises part-way (``capturable`` on CPU) leaves ``optimizer.state`` in the
+    parameters' order, as torch's own step makes it, not in the order of the runs' slots
+    (largest bands first here); in memory and on the host tier."""
+    import tempfile
+
+    for tier in (None, "host"):
+        with packed_everywhere():
+            model = test_ragged_layout.build_transformer(seed=36)
+            test_ragged_layout.shard_transformer(model, fully_shard, mesh=cpu_mesh(),
+                                                 shard_placement_fn=lambda p: RaggedShard())
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        folder = tempfile.TemporaryDirectory()
+        if tier is not None:
+            fsdp2.enable_local_shard_step(optim, offload=fsdp2.OptimizerOffloadPolicy(
+                tier=tier, directory=folder.name, unit_bytes=1024))
+        test_ragged_layout.transformer_loss(
+            model, test_ragged_layout.transformer_batch(0, 2 * world_size)).backward()
+        optim.param_groups[0]["capturable"] = True
+        with pytest.raises(AssertionError, match="capturable=True"):  # torch's own refusal
+            optim.step()
+        optim.param_groups[0]["capturable"] = False
+        params = [id(p) for g in optim.param_groups for p in g["params"]]
+        have = [id(p) for p in optim.state]
+        assert have == [p for p in params if p in set(have)], tier
+        optim.step()
+        assert [id(p) for p in optim.state] == params, tier
+        folder.cleanup()
+
+
 CASES = {name: _forced(test_ragged_layout.CASES[name]) for name in RAGGED}
 CASES.update({name: _forced(case) for name, case in FP8.items()})
 CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself,
+              "state_order": _state_order_after_a_raising_step,
               "subclass_hooks": _forced(test_extensions._ragged_body)})
 W4 = {"replica_slices": _replica_slices,
       "offload_and_hsdp": _forced(test_ragged_layout.CASES["offload_and_hsdp"])}

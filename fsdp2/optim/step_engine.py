@@ -235,6 +235,8 @@ class StepEngine:
         if not (self.memory.swapped or self._held):
             return
         self._give_back(self.optimizer)
+        if self._new_state and self._keys_before is not None:  # state it made: torch's order
+            _keep_key_order(self.optimizer, self._keys_before)
         self._keys_before = None
 
     def _give_back(self, optimizer: torch.optim.Optimizer) -> None:
