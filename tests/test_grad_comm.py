@@ -12,6 +12,7 @@ fsdp2/runtime/comm/quantized_reduce.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _multiproc import run_ranks
+from checks import packed_everywhere
 from models import build_transformer, cpu_mesh, full, rank_slice, shard_transformer
 from models import transformer_batch as batch_of
 from models import transformer_loss as loss_of
@@ -174,14 +176,16 @@ def _compose_body(rank, world_size):
     cases = {
         "accumulate": ({}, 2),
         "ragged": ({"shard_placement_fn": lambda p: fsdp2.RaggedShard()}, 1),
+        "packed": ({"shard_placement_fn": lambda p: fsdp2.RaggedShard()}, 1),  # forced below
         "offload": ({"offload_policy": fsdp2.CPUOffloadPolicy(pin_memory=False)}, 1),
     }
     if world_size == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         cases["hsdp"] = ({"mesh": hsdp}, 1)
     for name, (kw, micro) in cases.items():
-        want = _grads(_policy_model(None, **kw), batch, micro)
-        got = _grads(_policy_model(policy, **kw), batch, micro)
+        with packed_everywhere() if name == "packed" else contextlib.nullcontext():
+            want = _grads(_policy_model(None, **kw), batch, micro)
+            got = _grads(_policy_model(policy, **kw), batch, micro)
         assert _error(got, want) < BOUND[torch.int8], (name, _error(got, want))
     # the flat optimizer step (the default) steps on the encoded exchange's output
     model, plain = _policy_model(policy), _policy_model(None)

@@ -54,6 +54,14 @@ class PackedRows(ParamMajor):
                     runs.append((r * share + lay.rank_offsets[r], at, rows * lay.row_numel))
             self._runs[id(p)] = runs
         self._in_order = [run for p in fsdp_params for run in self._runs[id(p)]]
+        # what no parameter's run covers (each rank's tail): zeroed in the reduce-scatter input
+        self._gaps, cursor = [], 0
+        for a, _, n in sorted(self._in_order):
+            if a > cursor:
+                self._gaps.append((cursor, a - cursor))
+            cursor = max(cursor, a + n)
+        if cursor < world_size * share:
+            self._gaps.append((cursor, world_size * share - cursor))
 
     @property
     def output_on_compute(self) -> bool:
@@ -90,17 +98,12 @@ class PackedRows(ParamMajor):
 
     def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
         share = self.layouts[0].shard_numel
-        out = []
-        for r in range(self.world_size):  # every run's edges inside block r
-            lo = r * share
-            cuts = {0, share}
-            for p in params:
-                for a, _, n in self._runs[id(p)]:
-                    if lo <= a < lo + share:
-                        cuts |= {a - lo, a - lo + n}
-            cuts = sorted(cuts)
-            out.append([b - a for a, b in zip(cuts, cuts[1:]) if b > a])
-        return out
+        cuts = [{0, share} for _ in range(self.world_size)]
+        for p in params:  # every run's edges, in the block of the rank holding it
+            for a, _, n in self._runs[id(p)]:
+                rank, at = divmod(a, share)
+                cuts[rank] |= {at, at + n}
+        return [[b - a for a, b in zip(c, c[1:]) if b > a] for c in map(sorted, cuts)]
 
     def reduce_scatter_input(
         self,
@@ -109,14 +112,19 @@ class PackedRows(ParamMajor):
         dtype: torch.dtype,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Zeros, with each gradient's runs at their places (cast to ``dtype``)."""
-        flat = out.view(-1) if out is not None else torch.empty(
-            self.world_size * self.shard_numel(params), dtype=dtype, device=grads[0].device
-        )
-        flat.zero_()
+        """Each gradient's runs at their places (cast to ``dtype``), zeros elsewhere."""
+        flat = self._input_buffer(params, dtype, grads[0].device, out)
         for grad, p in zip(grads, params):
             whole = grad.reshape(-1)
             base = p.layout.start
             for a, at, n in self._runs[id(p)]:
                 flat[a : a + n].copy_(whole[at - base : at - base + n])
+        for a, n in self._gaps:
+            flat[a : a + n].zero_()
+        if len(params) < len(self.fsdp_params):  # the runs of parameters with no gradient
+            reduced = {id(p) for p in params}
+            for p in self.fsdp_params:
+                if id(p) not in reduced:
+                    for a, _, n in self._runs[id(p)]:
+                        flat[a : a + n].zero_()
         return flat

@@ -150,9 +150,7 @@ class ParamMajor(BufferOrder):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The gradients at their plan's starts in one buffer of ``dtype``, zeros between."""
-        flat = out.view(-1) if out is not None else torch.empty(
-            self.world_size * self.shard_numel(params), dtype=dtype, device=grads[0].device
-        )
+        flat = self._input_buffer(params, dtype, grads[0].device, out)
         cursor = 0
         for grad, p in zip(grads, params):  # registration order: the starts ascend
             start = p.layout.start
@@ -163,6 +161,15 @@ class ParamMajor(BufferOrder):
         if cursor < flat.numel():
             flat[cursor:].zero_()
         return flat
+
+    def _input_buffer(
+        self, params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The flat reduce-scatter input: ``out`` (a custom comm's), else a new one."""
+        if out is not None:
+            return out.view(-1)
+        return torch.empty(self.world_size * self.shard_numel(params), dtype=dtype, device=device)
 
     def sharded_grads(self, output: torch.Tensor, params: list[FSDPParam]) -> list[torch.Tensor]:
         blocks = self.shard_blocks(output, params)
