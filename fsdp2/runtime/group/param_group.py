@@ -51,7 +51,7 @@ from ..._torch_compat import outside_functorch
 from ...api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ...errors import FSDPNotImplementedError
 from ...versions import ACCUMULATE_PROFILER_RANGE
-from ..comm import collectives, ragged_staged, staged_collectives
+from ..comm import collectives
 from ..comm.comm_context import CommContext
 from ..comm.comm_memory import effective
 from ..comm.force_collectives import skips_collectives
@@ -63,6 +63,7 @@ from ..storage.packed_rows import PackedRows
 from ..storage.param import FSDPParam, ShardedState
 from ..storage.ragged import ParamMajor
 from ..storage.rank_major import RankMajor
+from . import staged_gather
 from .backward_prefetch import prefetch_previous
 from .gather_plan import plan_gather
 from .group_settings import UnshardSettings
@@ -319,12 +320,9 @@ class FSDPParamGroup:
     def _unshard_staged(self, async_op: bool, on_comm_streams: bool = False) -> None:
         """All-gather through a copy-in (see [Note: Staged all-gather])."""
         gather = self._gather
-        if self.order.ragged and (self.layout.mixed or gather.partly_cast):
-            raise FSDPNotImplementedError(
-                f"fully_shard({self.module_fqn or 'the root'}): RaggedShard groups gather "
-                "one dtype (no mixed dtypes or per-parameter casts yet); return None from "
-                "shard_placement_fn for this module"
-            )
+        staged_gather.check_one_dtype(
+            self.order, self.layout.mixed or gather.partly_cast, self.module_fqn
+        )
         ctx = self.comm_ctx
         if ctx.active and on_comm_streams:  # copy-in and collective on the copy-in stream
             ctx.release_all_gather()
@@ -332,65 +330,26 @@ class FSDPParamGroup:
                 self._unshard_staged(True, on_comm_streams=False)
                 self.step.unshard_event = ctx.record(ctx.copy_in)
             return
-        if self.order.ragged:  # See [Note: Extensions on the parameter-major layout]
-            self._unshard_param_major_staged(async_op)
-            return
         slots = [self._slot(i) for i in range(len(self.fsdp_params))]
-        inputs = staged_collectives.gather_inputs(
-            self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
-        )
-        self.step.pending_staged = staged_collectives.all_gather(
-            self.fsdp_params,
-            inputs,
-            self.mesh_info.shard_process_group,
-            self.mesh_info.shard_mesh_rank,
-            self.mesh_info.shard_mesh_size,
-            effective(self.settings.all_gather_comm),
-            async_op,
-            skip_collective=self.alone,
-        )
-        if not async_op:
-            self.wait_for_unshard()
-
-    def _unshard_param_major_staged(self, async_op: bool) -> None:
-        """A parameter-major group with hooked parameters (their inputs in place of their rows)
-        or a custom all-gather comm (its buffer in place of the group's)."""
-        slots = [self._slot(i) for i in range(len(self.fsdp_params))]
-        rows, hook_inputs = ragged_staged.gather_inputs(
-            self.fsdp_params, slots, self.device, self._flat.pin_memory, self.offload
-        )
-        group = None if self.alone else self.mesh_info.shard_process_group
-        ragged_staged.agree_on_inputs(self.fsdp_params, group, self.device)
-        self.step.pending_staged = ragged_staged.all_gather(
-            self.fsdp_params, rows, hook_inputs, self.dtypes.param or self.layout.dtype,
-            self.device, self.mesh_info.shard_process_group, self.mesh_info.shard_mesh_rank,
-            self.mesh_info.shard_mesh_size, effective(self.settings.all_gather_comm), async_op,
-            skip_collective=self.alone,
+        self.step.pending_staged = staged_gather.start(
+            self.fsdp_params, slots, self.order, self.dtypes.param or self.layout.dtype,
+            self.device, self.mesh_info, effective(self.settings.all_gather_comm),
+            pin_memory=self._flat.pin_memory, offload=self.offload, async_op=async_op,
+            alone=self.alone,
         )
         if not async_op:
             self.wait_for_unshard()
 
     def _wait_for_staged(self) -> None:
         staged, self.step.pending_staged = self.step.pending_staged, None
-        if staged.work is not None:
-            staged.work.wait()
+        staged_gather.wait(staged)
         event, self.step.unshard_event = self.step.unshard_event, None
         ctx = self.comm_ctx
         ctx.wait_event("all_gather->copy_out", ctx.current() if event else None, event)
-        world_size = self.mesh_info.shard_mesh_size
-        if self.order.ragged:  # the parameters view the group's buffer (hooked ones too)
-            output = self.order.unsharded_output(
-                self.dtypes.param or self.layout.dtype, self.device
-            )
-            ragged_staged.copy_out(staged, self.fsdp_params, output, world_size)
-        else:
-            staged_collectives.copy_out(staged, self.fsdp_params, world_size)
-        for p in self.fsdp_params:
-            if p.extension is not None:
-                p.unshard_extension()
-            else:
-                p.finish_copy_out()
-            p.to_unsharded()
+        staged_gather.finish(
+            staged, self.fsdp_params, self.order, self.dtypes.param or self.layout.dtype,
+            self.device, self.mesh_info.shard_mesh_size,
+        )
         if event is not None:  # held until the next all-gather, after this copy-out
             ctx.hold_all_gather(staged)
         self.step.is_unsharded = True
@@ -429,8 +388,7 @@ class FSDPParamGroup:
         step.post_forward_flat = step.post_forward_event = None
         if step.pending_staged is not None:
             staged, step.pending_staged = step.pending_staged, None
-            if staged.work is not None:
-                staged.work.wait()
+            staged_gather.wait(staged)
         event, step.unshard_event = step.unshard_event, None
         if event is not None:  # a prefetch never consumed: let it land before dropping it
             ctx = self.comm_ctx
