@@ -10,8 +10,9 @@ counter of instruments.py; the all-gather side and the reduce-scatter side
 apart), bytes communicated (against the analytic figure: every group's
 padded parameters gathered twice and reduced once), the peak of live bytes,
 and the median step time over interleaved steps (the slowest rank's); then
-the peak of live bytes at the first step and around a DCP save and load of
-the model and optimizer state dicts (a second table). The
+the peak of live bytes at the first step, around a DCP save and load of
+the model and optimizer state dicts and around fsdp2's ``save_checkpoint``
+and ``load_checkpoint`` of them (a second table). The
 parameter-major layout is ``shard_placement_fn=lambda p: RaggedShard()``
 on every call (docs/layouts.md); "fsdp2 packed" is the same with the packed
 plan forced on every group (``fully_shard`` takes it by itself only where the
@@ -172,6 +173,15 @@ def _peaks_around(layout: str, shape: dict, mp: bool, rank: int, cfg: dict) -> d
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         del msd, osd, state
         peaks["load_peak"] = live.peak
+        # fsdp2's own save and load (checksums; ragged rows saved in pieces)
+        import fsdp2
+
+        live.reset_peak()
+        fsdp2.save_checkpoint(folder[0] + "/own", model, optim)
+        peaks["own_save_peak"] = live.peak
+        live.reset_peak()
+        fsdp2.load_checkpoint(folder[0] + "/own", model, optim)
+        peaks["own_load_peak"] = live.peak
         del model, optim
     dist.barrier()
     if rank == 0:
@@ -202,10 +212,12 @@ def table(result: dict) -> str:
 
 
 def memory_table(result: dict) -> str:
-    """Peak live bytes per rank at the first step and around a DCP save and load."""
+    """Peak live bytes per rank at the first step and around a DCP save and load, and
+    fsdp2's ``save_checkpoint`` and ``load_checkpoint``."""
     rows = [
-        "| precision | layout | first step (MB) | DCP save (MB) | DCP load (MB) |",
-        "|---|---|---:|---:|---:|",
+        "| precision | layout | first step (MB) | DCP save (MB) | DCP load (MB) "
+        "| `save_checkpoint` (MB) | `load_checkpoint` (MB) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for mp in (False, True):
         for layout in LAYOUTS:
@@ -213,7 +225,8 @@ def memory_table(result: dict) -> str:
             rows.append(
                 f"| {'bf16 / fp32 reduce' if mp else 'fp32'} | {layout} | "
                 f"{r['first_step_peak'] / 1e6:.1f} | {r['save_peak'] / 1e6:.1f} | "
-                f"{r['load_peak'] / 1e6:.1f} |"
+                f"{r['load_peak'] / 1e6:.1f} | {r['own_save_peak'] / 1e6:.1f} | "
+                f"{r['own_load_peak'] / 1e6:.1f} |"
             )
     return "\n".join(rows)
 

@@ -23,11 +23,14 @@ every tensor it wrote in a dict until the file is written. So:
   the save ends. Training may step the state meanwhile: the copy is taken
   before ``save_checkpoint`` returns.
 
-Tensors that are not file-backed go through DCP's default path unchanged.
+Tensors that are not file-backed go through DCP's default path unchanged
+(save for a rank's ragged rows, written in pieces: see [Note: Ragged rows in
+checkpoints] in ragged_pieces.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import uuid
@@ -38,10 +41,14 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from .. import file_tensors
+from . import ragged_pieces
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; file-backed tensors are read a tensor at a time."""
+    """DCP's default save planner; file-backed tensors are read a tensor at a time, and a
+    rank's ragged rows are written in pieces (see [Note: Ragged rows in checkpoints] in
+    ragged_pieces.py). Made without plan caching (DCP's ``enable_plan_caching``), as
+    ``save_checkpoint`` makes it."""
 
     def set_up_planner(
         self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
@@ -49,9 +56,25 @@ class StreamingSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._maps = file_tensors.MappedFiles.now()  # the state dict holds what it lists
         self._handed: mmap.mmap | None = None
+        self._pieces: dict[Any, ragged_pieces.Piece] = {}  # a piece's index -> its rows
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            for piece_item, piece in ragged_pieces.split(item, self.state_dict.get(item.index.fqn)):
+                items.append(piece_item)
+                if piece is not None:
+                    self._pieces[piece_item.index] = piece
+        if self._pieces:
+            plan = self.plan = dataclasses.replace(plan, items=items)
+        return plan
 
     def resolve_data(self, write_item: Any) -> Any:
-        data = super().resolve_data(write_item)
+        data = super().resolve_data(write_item)  # a DTensor's whole local chunk, for a piece
+        piece = self._pieces.get(write_item.index)
+        if piece is not None:
+            data = piece.of(data)
         if isinstance(data, torch.Tensor):
             region = self._maps.region(data)
             if region is not None:
