@@ -10,6 +10,10 @@ fsdp2 as installed (``fsdp2``: the flat step by default, no fsdp2 call but
 ``use_orig_params=False``) and DDP. Phases: forward + backward, the step,
 step + ``zero_grad`` (as every training loop runs them), the whole step.
 Each phase is timed on every rank; a step's time is the slowest rank's.
+Each implementation runs its collectives on a process group of its own, as
+in a job of its own: on one shared gloo group, another implementation's
+traffic just before made fsdp2's next step 15-20% slower (its collectives'
+waits), not FSDP1's or upstream's.
 Every step starts from a full garbage collection: a generation-2 collection
 (tens of ms with this many modules) otherwise lands on whichever
 implementation's step happens to cross the threshold.
@@ -44,13 +48,16 @@ def _small_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def _wrap_small(model: nn.Sequential, impl: str) -> nn.Module:
+def _wrap_small(model: nn.Sequential, impl: str, group: dist.ProcessGroup) -> nn.Module:
+    """``model`` wrapped by ``impl``, its collectives on ``group`` (one per implementation)."""
     if impl.startswith("fsdp2") or impl == "torch":
+        from torch.distributed.device_mesh import DeviceMesh
+
         if impl == "torch":
             from torch.distributed.fsdp import fully_shard
         else:
             from fsdp2 import fully_shard
-        mesh = cpu_mesh()
+        mesh = DeviceMesh.from_group(group, "cpu")
         for block in model:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -59,11 +66,12 @@ def _wrap_small(model: nn.Sequential, impl: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         cpu = torch.device("cpu")  # FSDP1 runs on CPU only when told so
-        blocks = [FSDP(b, use_orig_params=False, device_id=cpu) for b in model]
-        return FSDP(nn.Sequential(*blocks), use_orig_params=False, device_id=cpu)
+        kwargs = {"use_orig_params": False, "device_id": cpu, "process_group": group}
+        blocks = [FSDP(b, **kwargs) for b in model]
+        return FSDP(nn.Sequential(*blocks), **kwargs)
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model)
+    return DistributedDataParallel(model, process_group=group)
 
 
 def _optim(model: nn.Module, impl: str, **kwargs) -> torch.optim.Optimizer:
@@ -82,7 +90,12 @@ def _optim(model: nn.Module, impl: str, **kwargs) -> torch.optim.Optimizer:
 
 def _small_steps(warmup: int, reps: int) -> dict:
     rank = dist.get_rank()
-    models = {impl: _wrap_small(_small_model(), impl) for impl in SMALL_IMPLS}
+    # a process group per implementation, as each would have in a job of its own: gloo's
+    # collectives on a group run slower after another implementation's traffic on it
+    # (docs/performance.md, "Many small parameters")
+    ranks = list(range(dist.get_world_size()))
+    groups = {impl: dist.new_group(ranks) for impl in SMALL_IMPLS}
+    models = {impl: _wrap_small(_small_model(), impl, groups[impl]) for impl in SMALL_IMPLS}
     optims = {impl: _optim(m, impl) for impl, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(BATCH, WIDTH, generator=g) for _ in range(4)]
