@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from .._torch_compat import local_tensor
 from ..ragged_placement import RaggedShardBase
 from ..runtime.storage.shard_storage import own_storage
 
@@ -53,8 +54,8 @@ class Piece:
 def _most_rows(value: DTensor) -> tuple[int, int] | None:
     """``(dim, dim-0's rows per chunk)`` for a DTensor ragged on one mesh dim, else ``None``."""
     ragged = [(i, p) for i, p in enumerate(value.placements) if isinstance(p, RaggedShardBase)]
-    if len(ragged) != 1 or hasattr(value._local_tensor, "__create_chunk_list__"):
-        return None
+    if len(ragged) != 1 or type(local_tensor(value)) is not torch.Tensor:
+        return None  # a subclass (quantized state, ...) is saved as DCP saves it
     mesh_dim, placement = ragged[0]
     return placement.dim, -(-value.shape[placement.dim] // value.device_mesh.size(mesh_dim))
 
