@@ -135,11 +135,19 @@ class ParamMajor(BufferOrder):
     def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
         share = self.layouts[0].shard_numel
         edges = sorted({e for p in params for e in (p.layout.start, p.layout.start + p.layout.size.numel())})
-        out = []
+        out: list[list[int]] = [[] for _ in range(self.world_size)]
+        at = 0  # one pass over the edges and the block bounds, in order
         for r in range(self.world_size):  # every parameter's edges that fall inside block r
             lo, hi = r * share, (r + 1) * share
-            cuts = [lo] + [e for e in edges if lo < e < hi] + [hi]
-            out.append([b - a for a, b in zip(cuts, cuts[1:]) if b > a])
+            while at < len(edges) and edges[at] <= lo:
+                at += 1
+            cut = lo
+            while at < len(edges) and edges[at] < hi:
+                out[r].append(edges[at] - cut)
+                cut = edges[at]
+                at += 1
+            if hi > cut:
+                out[r].append(hi - cut)
         return out
 
     def reduce_scatter_input(
