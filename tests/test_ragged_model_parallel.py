@@ -19,6 +19,7 @@ shard dims included.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import test_dp_mesh_dims as spmd_cases
@@ -40,6 +41,7 @@ from models import (
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+import fsdp2
 from fsdp2 import DataParallelMeshDims, RaggedShard, fully_shard
 from fsdp2.quant import gather_fp8_tiles
 
@@ -121,7 +123,7 @@ def _tensor_parallel(rank, world_size):
 
 def _state_dicts(rank, world_size):
     """Into the parameter-major layout from dim-0 DTensors, full tensors and a DCP checkpoint,
-    and back through DCP: the same parameters, bit for bit."""
+    and back through DCP and through ``save_checkpoint``: the same parameters, bit for bit."""
     mesh, dp_mesh = tp_cases._meshes(("dp",))
     source = _tp_model(mesh, dp_mesh, 21, ragged=False)
     train_steps(None, source, [transformer_batch(0, 4)], transformer_loss,
@@ -147,6 +149,14 @@ def _state_dicts(rank, world_size):
         dcp.load(state, checkpoint_id=folder)
         target.load_state_dict(state)
         check(target, f"DCP into {'ragged' if ragged else 'dim-0'}")
+    # fsdp2's save writes a rank's ragged rows in pieces (tensor-parallel ones included)
+    ragged = _tp_model(mesh, dp_mesh, 9, ragged=True)
+    ragged.load_state_dict(source.state_dict())
+    folder = os.path.join(launch_dir("save_checkpoint"), "ckpt")
+    fsdp2.save_checkpoint(folder, ragged)
+    target = _tp_model(mesh, dp_mesh, 10, ragged=False)
+    fsdp2.load_checkpoint(folder, target)
+    check(target, "save_checkpoint of ragged, into dim-0")
 
 
 def _refusals(rank, world_size):
