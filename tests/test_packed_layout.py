@@ -18,6 +18,8 @@ padding.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import test_extensions
 import test_fp8_tiles
@@ -166,10 +168,51 @@ def _state_order_after_a_raising_step(rank, world_size):
         folder.cleanup()
 
 
+def _edges(lay) -> set[int]:
+    """Where each rank's rows of a parameter begin and end in the ``W * S`` gathered buffer."""
+    share, row = lay.shard_numel, lay.row_numel
+    edges = set()
+    for r in range(lay.world_size):
+        rows = lay.row_bounds[r + 1] - lay.row_bounds[r]
+        if rows:
+            at = r * share + (lay.rank_offsets[r] if lay.packed
+                              else lay.start + lay.row_bounds[r] * row - r * share)
+            edges |= {at, at + rows * row}
+    return edges
+
+
+def _segments_follow_the_rows(rank, world_size):
+    """The quantized gradient exchange's segments (``slice_segments``) cut each rank's block at
+    exactly its parameters' edges, on the contiguous plan and the packed one."""
+    for packed in (False, True):
+        with packed_everywhere() if packed else contextlib.nullcontext():
+            model = test_ragged_layout.build_transformer(seed=24)
+            test_ragged_layout.shard_transformer(model, fully_shard, mesh=cpu_mesh(),
+                                                 shard_placement_fn=lambda p: RaggedShard((2, 2)))
+        for m in model.modules():
+            if not isinstance(m, fsdp2.FSDPModule):
+                continue
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                params = group.fsdp_params
+                share = params[0].layout.shard_numel
+                want = set().union(*(_edges(p.layout) for p in params))
+                want = {e for e in want if 0 < e < world_size * share and e % share}
+                segments = group.order.slice_segments(params)
+                assert [sum(seg) for seg in segments] == [share] * world_size, segments
+                got = set()
+                for r, seg in enumerate(segments):
+                    at = r * share
+                    for n in seg[:-1]:
+                        at += n
+                        got.add(at)
+                assert got == want, (packed, sorted(got ^ want))
+
+
 CASES = {name: _forced(test_ragged_layout.CASES[name]) for name in RAGGED}
 CASES.update({name: _forced(case) for name, case in FP8.items()})
 CASES.update({"is_packed": _is_packed, "chooses_by_itself": _chooses_by_itself,
               "state_order": _state_order_after_a_raising_step,
+              "segments": _segments_follow_the_rows,
               "subclass_hooks": _forced(test_extensions._ragged_body)})
 W4 = {"replica_slices": _replica_slices,
       "offload_and_hsdp": _forced(test_ragged_layout.CASES["offload_and_hsdp"])}
