@@ -10,7 +10,6 @@ unsharded: its extension's outputs set, or its view of the gathered buffer.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ...errors import FSDPNotImplementedError
 from ..comm import ragged_staged, staged_collectives
@@ -65,9 +64,8 @@ def start(
 
 def wait(staged: StagedAllGather) -> None:
     """Wait for the collective (none on a shard group of one rank)."""
-    work: dist.Work | None = staged.work
-    if work is not None:
-        work.wait()
+    if staged.work is not None:
+        staged.work.wait()
 
 
 def finish(

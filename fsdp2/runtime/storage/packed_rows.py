@@ -97,13 +97,8 @@ class PackedRows(ParamMajor):
         return out
 
     def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
-        share = self.layouts[0].shard_numel
-        cuts = [{0, share} for _ in range(self.world_size)]
-        for p in params:  # every run's edges, in the block of the rank holding it
-            for a, _, n in self._runs[id(p)]:
-                rank, at = divmod(a, share)
-                cuts[rank] |= {at, at + n}
-        return [[b - a for a, b in zip(c, c[1:]) if b > a] for c in map(sorted, cuts)]
+        # every run's edges (a run lies inside the block of the rank holding it)
+        return self._segments(e for p in params for a, _, n in self._runs[id(p)] for e in (a, a + n))
 
     def reduce_scatter_input(
         self,

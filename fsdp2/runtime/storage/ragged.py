@@ -48,6 +48,7 @@ group of them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,22 +134,20 @@ class ParamMajor(BufferOrder):
         return self.layouts[0].shard_numel  # S: the plan's, whichever parameters have gradients
 
     def slice_segments(self, params: list[FSDPParam]) -> list[list[int]]:
+        return self._segments(
+            e for p in params for e in (p.layout.start, p.layout.start + p.layout.size.numel())
+        )
+
+    def _segments(self, edges: Iterable[int]) -> list[list[int]]:
+        """Each rank's block of the ``W * S`` buffer cut at ``edges`` (offsets in the buffer):
+        the lengths of its pieces, in order."""
         share = self.layouts[0].shard_numel
-        edges = sorted({e for p in params for e in (p.layout.start, p.layout.start + p.layout.size.numel())})
-        out: list[list[int]] = [[] for _ in range(self.world_size)]
-        at = 0  # one pass over the edges and the block bounds, in order
-        for r in range(self.world_size):  # every parameter's edges that fall inside block r
-            lo, hi = r * share, (r + 1) * share
-            while at < len(edges) and edges[at] <= lo:
-                at += 1
-            cut = lo
-            while at < len(edges) and edges[at] < hi:
-                out[r].append(edges[at] - cut)
-                cut = edges[at]
-                at += 1
-            if hi > cut:
-                out[r].append(hi - cut)
-        return out
+        cuts = [{0, share} for _ in range(self.world_size)]
+        for edge in edges if share else ():
+            rank, at = divmod(edge, share)
+            if rank < self.world_size:  # (the buffer's end is every block's end already)
+                cuts[rank].add(at)
+        return [[b - a for a, b in zip(c, c[1:]) if b > a] for c in map(sorted, cuts)]
 
     def reduce_scatter_input(
         self,
