@@ -32,59 +32,6 @@ order; a gradient about to be reduced takes autograd's output as it comes
 the compute dtype within a backward and are moved aside into the reduce dtype
 after it. fsdp2 follows the installed torch (``versions.ACCUMULATE_IN_GRAD_DTYPE``),
 so its sums round exactly as upstream's do.
-
-[Note: Gradients of parameters used on some ranks]
-Conditional computation (a mixture of experts routing to expert ``b`` on rank
-0 only, a multi-modal branch) leaves some trainable parameters of a group
-without a gradient on some ranks. Reducing only the gradients present would
-give the ranks reduce-scatters of different sizes (gloo aborts, NCCL hangs or
-mixes buffers). By default we give DDP's result (``find_unused_parameters``):
-the mean over all ranks, counting zeros where a parameter was unused, and
-``grad is None`` where it was unused on *every* rank, so optimizers skip it.
-
-A rank that has at least one gradient of the group (it takes part in the
-reduce-scatter, as before) fills a gradient for every trainable, gathered
-parameter it has none for, so every rank reduces the same parameters, in the
-same collective as upstream with ``set_reduce_scatter_unused_params(True)``.
-The fill is ``-0.0`` instead of ``+0.0``, which carries the "had a gradient"
-bit in the values themselves at no cost: in IEEE arithmetic ``-0.0 + -0.0 =
--0.0`` while ``-0.0 + x = x`` for every other ``x`` (``+0.0`` included), and
-scaling, casts and the average keep the sign. So a reduced element is ``-0.0``
-exactly when every rank filled it. The fill also covers the padding of the
-last chunks (its rows are rounded up to whole chunks), where the gradients
-of a rank that has them are always ``+0.0`` (``chunk_cat`` pads with zeros):
-in a block with padding the bit is exact. A rank that filled reads its
-blocks of those parameters back (one device-to-host read, only then) and
-leaves ``.grad`` unset where a block is all ``-0.0``; a rank that had every
-gradient reads nothing. Nothing is added to any collective: the bytes and
-the collectives are upstream's, and with every gradient present (the common
-case) nothing at all changes. With HSDP the all-reduce carries the sign the
-same way; with the all-reduce off (accumulation) the kept partial sums
-include the padding. Without sync, unsharded gradients accumulate, so "had
-a gradient" means "in any micro-batch since the last reduction".
-
-A group of several modules (``fully_shard([norm, head])``) may run in parts:
-the chunked-loss pattern calls ``head`` alone once per chunk, with a backward
-each, while the root's forward ran ``norm`` alone (see [Note: Groups run in
-parts] in hooks.py). Every rank then lacks ``norm``'s gradient in a ``head``
-use, and upstream reduces ``head``'s only. So a rank fills only parameters of
-the group's modules (the ones passed to ``fully_shard``) that ran in the use
-being reduced: the use's set of modules rides on its post-backward node, and
-a use whose inputs need no grad (no node) is kept on the group until the
-end-of-backward post-backward. A group of one module fills every parameter.
-
-Limits: a module of a group of several that runs on some ranks only in a use
-is the "group on some ranks only" error below. A block without padding relies
-on the rows alone, so a parameter whose real gradients are exactly ``-0.0`` in
-every element of a rank's rows (every term of every element a negative zero)
-is taken as unused there; a custom reduce-scatter comm must keep the sign of
-zero. A rank with *no* gradient for any parameter of the group (its module did
-not run, or none of its outputs reached the loss) skips the group's reduce-
-scatter, as upstream: a group must take part in backward on every rank or on
-none. ``set_reduce_scatter_unused_params(True)`` is upstream's behaviour:
-``+0.0`` for every trainable gathered parameter, on every rank, so a group
-reduces even on a rank with no gradient at all, and a parameter unused
-everywhere gets a zero gradient.
 """
 
 from __future__ import annotations
@@ -110,7 +57,7 @@ from ..meshes.mesh import FSDPMeshInfo
 from ..storage.buffer_order import BufferOrder
 from ..storage.param import FSDPParam
 from ..storage.sharded_grad import accumulate_sharded_grad, set_grad_dtype
-from . import replica_slices
+from . import replica_slices, unused_grads
 from .group_settings import ReductionSettings
 from .reduce_op import ReducePlan, backend_supports_premul_sum, plan_gradient_reduction
 
@@ -270,15 +217,16 @@ class GradientReduction:
 
         Returns the parameters with a gradient, their gradients, and those
         whose gradient this rank filled with ``-0.0`` (see [Note: Gradients of
-        parameters used on some ranks]; ``ran`` as ``_fill_unused`` takes it).
+        parameters used on some ranks] in unused_grads.py; ``ran`` as ``fill_unused``
+        takes it).
         """
         taken = [p.take_unsharded_grad() for p in self.fsdp_params]
         self.set_grad_dtypes(defer=False)
         filled: set[FSDPParam] = set()
         if self.settings.reduce_scatter_unused_params:
-            _zero_unused(self.fsdp_params, taken)
+            unused_grads.zero_unused(self.fsdp_params, taken)
         elif self.mesh_info.shard_mesh_size > 1 or self.mesh_info.is_hsdp:
-            filled = _fill_unused(self.fsdp_params, taken, ran)
+            filled = unused_grads.fill_unused(self.fsdp_params, taken, ran)
         with_grad = [p for p, grad in zip(self.fsdp_params, taken) if grad is not None]
         return with_grad, [grad for grad in taken if grad is not None], filled
 
@@ -313,7 +261,8 @@ class GradientReduction:
 
         ``grads`` is emptied once copied in, so the gradients are freed early.
         ``filled``: the parameters whose gradient this rank filled with
-        ``-0.0`` (see [Note: Gradients of parameters used on some ranks]).
+        ``-0.0`` (see [Note: Gradients of parameters used on some ranks] in
+        unused_grads.py).
         ``shard_device``: where the sharded parameters are (CPU offload);
         ``module_fqn``: the group's name, for errors.
         """
@@ -416,10 +365,8 @@ class GradientReduction:
                     self._call_all_reduce_hook(output)
             if plan.post_factor is not None:  # once, after both groups (HSDP) summed
                 output.div_(plan.post_factor)
-            unused = (
-                _unused_everywhere(self.order.shard_blocks(output, fsdp_params), fsdp_params, filled)
-                if filled else ()
-            )
+            blocks = self.order.shard_blocks(output, fsdp_params) if filled else ()
+            unused = unused_grads.unused_everywhere(blocks, fsdp_params, filled) if filled else ()
             if slot is not None and slot.device == output.device:
                 if output is not slot:  # the cast to the parameters' dtype lands in the slot
                     slot.copy_(output)
@@ -460,7 +407,8 @@ class GradientReduction:
         With ``all_reduce_grads`` off (gradient accumulation) the shard-reduced
         gradients (in the reduce dtype) are kept aside, not set on ``.grad``,
         and folded into the next all-reduce, as upstream does; the padding is
-        kept with them (see [Note: Gradients of parameters used on some ranks]).
+        kept with them (see [Note: Gradients of parameters used on some ranks] in
+        unused_grads.py).
         """
         blocks = self.order.shard_blocks(output, fsdp_params)
         if not self.settings.all_reduce_grads:
@@ -542,63 +490,3 @@ class GradientReduction:
         if ordered:
             current.wait_stream(stream)
 
-
-def _fill_unused(
-    fsdp_params: list[FSDPParam],
-    grads: list[torch.Tensor | None],
-    ran: Collection[nn.Module] | None = None,
-) -> set[FSDPParam]:
-    """Fill this rank's missing gradients with ``-0.0``; returns the parameters filled.
-
-    Nothing is filled when this rank has no gradient in the group (it
-    takes no part in the reduction). ``ran``: for a group of several
-    modules, the modules run in the use being reduced; only their
-    parameters are filled (``None``: every parameter). See [Note:
-    Gradients of parameters used on some ranks].
-    """
-    missing = [i for i, grad in enumerate(grads) if grad is None]
-    if not missing or len(missing) == len(grads):
-        return set()
-    if ran is not None:
-        inside = _params_of(fsdp_params, ran)
-        missing = [i for i in missing if fsdp_params[i] in inside]
-    filled = set()
-    for i in missing:
-        grads[i] = fsdp_params[i].negative_zero_grad()
-        if grads[i] is not None:
-            filled.add(fsdp_params[i])
-    return filled
-
-
-def _zero_unused(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None]) -> None:
-    """``set_reduce_scatter_unused_params(True)``: zeros for trainable params with no grad.
-
-    Every rank then reduce-scatters the same parameters, whichever ones its
-    own backward reached (conditional computation: mixture of experts,
-    multi-modal branches), as DDP's ``find_unused_parameters``. A parameter
-    never all-gathered has nothing to reduce.
-    """
-    for i, (p, grad) in enumerate(zip(fsdp_params, grads)):
-        if grad is None:
-            grads[i] = p.zero_unsharded_grad()
-
-
-def _unused_everywhere(
-    blocks: list[torch.Tensor], fsdp_params: list[FSDPParam], filled: set[FSDPParam]
-) -> set[FSDPParam]:
-    """Of the parameters this rank filled, those whose reduced block is all ``-0.0``.
-
-    One device-to-host read, only on a rank that filled; see [Note: Gradients
-    of parameters used on some ranks].
-    """
-    checked = [(p, block) for p, block in zip(fsdp_params, blocks) if p in filled]
-    verdicts = torch.stack(
-        [torch.signbit(block).all() & (block == 0).all() for _, block in checked]
-    ).tolist()
-    return {p for (p, _), unused in zip(checked, verdicts) if unused}
-
-
-def _params_of(fsdp_params: list[FSDPParam], modules: Collection[nn.Module]) -> set[FSDPParam]:
-    """The parameters held by ``modules`` or their submodules (tied ones by any holder)."""
-    holders = {sub for module in modules for sub in module.modules()}
-    return {p for p in fsdp_params if any(m in holders for m, _ in p.module_infos)}

@@ -572,7 +572,7 @@ class FSDPParam:
         """``-0.0`` in the unsharded gradient's local layout, padded to whole chunks on dim 0.
 
         For a trainable, gathered parameter that got no gradient on this rank;
-        see [Note: Gradients of parameters used on some ranks] in reduction.py.
+        see [Note: Gradients of parameters used on some ranks] in unused_grads.py.
         """
         param = self.unsharded_param
         if param is None or not self.sharded_param.requires_grad:
