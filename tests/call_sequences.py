@@ -87,7 +87,7 @@ CALLS = {
     "load_saved_state_dict": 1, "dcp_roundtrip": 1, "dcp_checkpoint": 1, "add_param_group": 1,
     "edit_hyperparameters": 2, "freeze": 1, "unfreeze": 1, "closure_step": 1,
     "compiled_step": 1, "raising_step": 1, "scheduler_step": 1, "scale_grads": 1,
-    "write_state_in_place": 1, "assign_state": 1,
+    "write_state_in_place": 1, "assign_state": 1, "drop_state": 1,
 }
 
 
@@ -405,6 +405,16 @@ class Sequence:
         found = [(s, k) for s in side.opt.state.values() for k, v in s.items()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return found[int(arg * len(found))] if found else None
+
+    def drop_state(self, side: Side, arg: float) -> None:
+        """A caller drops a parameter's state (``del optimizer.state[p]``): its next step
+        starts afresh, and a tensor held from the dropped state keeps its values."""
+        if self.replica_slices:
+            return
+        params = [p for g in side.opt.param_groups for p in g["params"]]
+        with_state = [p for p in params if p in side.opt.state]
+        if with_state:
+            del side.opt.state[with_state[int(arg * len(with_state))]]
 
     def write_state_in_place(self, side: Side, arg: float) -> None:
         """A transport receiving into the state, or a user's ``mul_``: written in place."""

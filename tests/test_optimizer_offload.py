@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import itertools
 import json
 import os
 import subprocess
@@ -281,6 +282,56 @@ def _replaced_and_flags_body(rank, world_size, tmp):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_replaced_state_and_changed_flags_as_torch(world_size, tmp_path):
     run_ranks(_replaced_and_flags_body, world_size, str(tmp_path))
+
+
+def _dropped_state_body(rank, world_size, tmp):
+    """As torch: a state tensor a caller holds keeps its values once its parameter's state is
+    dropped (a load without it, ``del optimizer.state[p]``), and the parameter's next step
+    starts fresh state elsewhere. Every tier and the default flat step against plain torch."""
+    def side(tier):
+        model = build_transformer(seed=5)
+        shard_transformer(model, fully_shard, mesh=cpu_mesh())
+        opt = _optimizer(model, "adamw")
+        if tier == "torch":
+            fsdp2.disable_flat_step(opt)
+        elif tier != "flat":
+            policy = OptimizerOffloadPolicy(tier=tier, directory=os.path.join(tmp, tier),
+                                            unit_bytes=512)
+            fsdp2.enable_local_shard_step(opt, offload=policy)
+        return model, opt
+
+    sides = {tier: side(tier) for tier in ("torch", "flat", "nvme", "host")}
+    for drop in ("load", "del"):
+        held = {}
+        for step, (model, opt) in itertools.product((0, 1), sides.values()):
+            _train_accumulating(model, opt, rank, world_size, 1, first=step)
+        for tier, (_, opt) in sides.items():
+            p = opt.param_groups[0]["params"][1]
+            held[tier] = (opt.state[p]["exp_avg"], opt.state[p]["exp_avg"].to_local().clone())
+            if drop == "load":
+                sd = opt.state_dict()
+                del sd["state"][1]
+                opt.load_state_dict(sd)
+            else:
+                del opt.state[p]
+            assert p not in opt.state, (tier, drop)
+        for step, (model, opt) in itertools.product((2, 3), sides.values()):
+            _train_accumulating(model, opt, rank, world_size, 1, first=step)
+        ref_model, ref_opt = sides["torch"]
+        for tier, (model, opt) in sides.items():
+            tensor, shown = held[tier]
+            assert torch.equal(tensor.to_local(), shown), (
+                f"{tier}, state dropped by {drop}: a tensor held from the dropped state followed "
+                "the parameter's new state")
+            p = opt.param_groups[0]["params"][1]
+            assert opt.state[p]["exp_avg"] is not tensor, (tier, drop)
+            _assert_same(model, opt, ref_model, ref_opt, f"{tier}, state dropped by {drop}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_dropped_by_a_caller_as_torch(world_size, tmp_path):
+    """A tensor held from a parameter's dropped state keeps its values on every tier."""
+    run_ranks(_dropped_state_body, world_size, str(tmp_path))
 
 
 def _snapshot(model, opt) -> list:

@@ -103,7 +103,7 @@ class StoreStep:
         in_place = tier.in_place_test()
         for i, unit in enumerate(self.units):
             test = functools.partial(in_place, i)
-            if not unit_step.loaded_in_place(unit, state, test):
+            if not self._reusable(i, unit, state, test):
                 tier.renew(i)  # a state dict taken before the load keeps what it showed
                 test = None
             unit_step.load_unit(unit, tier.views(i), state, self.copies, test)
@@ -141,11 +141,28 @@ class StoreStep:
             return
         if self._in_place is None:  # one per step, until a renewal
             self._in_place = self.tier.in_place_test()
-        if unit_step.loaded_in_place(unit, state, functools.partial(self._in_place, i)):
+        if self._reusable(i, unit, state, functools.partial(self._in_place, i)):
             return
         self.tier.renew(i)
         self._in_place = None
         unit_step.load_unit(unit, self.tier.views(i), state, self.copies)
+
+    def _reusable(self, i: int, unit: Unit, state: dict, in_place: Any) -> bool:
+        """Whether unit ``i`` may go on in the tier's memory it has: ``state`` holds only
+        values already there, and every tensor it published last still holds one.
+
+        A published tensor ``state`` no longer holds (a load or a caller dropped its
+        parameter's state, or the key) is the caller's now: in torch it keeps its
+        values, while the unit's memory would be written by the parameter's next
+        first step. So the unit then moves to fresh memory and the dropped tensor
+        stays on the old.
+        """
+        published = self._published[i]
+        if published is not None:
+            now = {id(t) for t in unit_step.held(unit, state) if t is not None}
+            if any(t is not None and id(t) not in now for t in published):
+                return False
+        return unit_step.loaded_in_place(unit, state, in_place)
 
 
 def _param_ids(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
